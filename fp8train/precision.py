@@ -1,0 +1,95 @@
+"""The precision table: one frozen recipe per level, read by every layer, buffer and optimizer.
+
+Rows are levels, fields are the tensor roles of the linear (GEMM) layers (DESIGN.md). Embeddings,
+norms and biases stay in higher precision at every level (``other_params``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LEVELS", "PrecisionRecipe", "get_recipe", "NotImplementedLevelError"]
+
+
+class NotImplementedLevelError(NotImplementedError):
+    """A level that is in the table but not built yet."""
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Dtype of each tensor role of the linear layers at one precision level.
+
+    Strings rather than dtypes so the table prints and compares as the design writes it.
+    """
+
+    level: str
+    gemm: str  # "fp32" | "bf16" | "fp16" | "fp8"
+    grad_comm: str  # dtype on the wire for data-parallel gradient reduction
+    weight: str  # the weight the forward pass reads
+    master_weight: str | None  # separate master copy owned by the optimizer, if any
+    weight_grad: str
+    adam_m: str
+    adam_v: str
+    other_params: str  # embeddings, norms, biases
+    implemented: bool = True
+
+    @property
+    def fp8_gemm(self) -> bool:
+        return self.gemm == "fp8"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Dtype for torch.autocast around the forward (only the fp16 AMP level uses it)."""
+        return torch.float16 if self.level == "fp16" else None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Dtype the model's parameters live in during forward/backward."""
+        return torch.bfloat16 if self.level == "bf16" else torch.float32
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.level == "fp16" or self.weight == "fp16"
+
+    @property
+    def has_fp32_master(self) -> bool:
+        return self.master_weight == "fp32"
+
+    def require_implemented(self) -> PrecisionRecipe:
+        if not self.implemented:
+            raise NotImplementedLevelError(
+                f"precision.level={self.level}: level {self.level} is in the table but not "
+                "implemented yet (FP16/FP8 weights, FP8 weight grads and low-bit Adam come with "
+                "the O1-O3 work); use fp32, bf16, fp16 or te"
+            )
+        return self
+
+
+def _row(level, gemm, comm, weight, master, wgrad, m, v, other, implemented=True):
+    return PrecisionRecipe(level, gemm, comm, weight, master, wgrad, m, v, other, implemented)
+
+
+LEVELS: dict[str, PrecisionRecipe] = {
+    r.level: r
+    for r in (
+        _row("fp32", "fp32", "fp32", "fp32", None, "fp32", "fp32", "fp32", "fp32"),
+        _row("bf16", "bf16", "fp32", "bf16", "fp32", "fp32", "fp32", "fp32", "bf16"),
+        _row("fp16", "fp16", "fp32", "fp32", None, "fp32", "fp32", "fp32", "fp32"),
+        _row("te", "fp8", "fp32", "fp32", None, "fp32", "fp32", "fp32", "fp32"),
+        _row("O1", "fp8", "fp8", "fp16", None, "fp8", "fp32", "fp32", "fp32", False),
+        _row("O2", "fp8", "fp8", "fp16", None, "fp8", "fp8", "fp16", "fp32", False),
+        _row("O3", "fp8", "fp8", "fp8", "fp16", "fp8", "fp8", "fp16", "fp32", False),
+    )
+}
+
+
+def get_recipe(level: str) -> PrecisionRecipe:
+    """The recipe of ``level``; unknown names fail with the list of known ones."""
+    try:
+        return LEVELS[level]
+    except KeyError:
+        raise ValueError(
+            f"precision.level={level!r} is not a level; choose one of {', '.join(LEVELS)}"
+        ) from None
