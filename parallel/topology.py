@@ -1,0 +1,133 @@
+"""One validated topology object (tensor x pipeline x data) and its process groups.
+
+Rank order follows Megatron's default (tp fastest, then dp, then pp): tensor-parallel ranks are
+adjacent, so a tensor-parallel group shares a node and its fast links.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from fp8train import device as devices
+
+__all__ = ["Topology", "TopologyError", "init_distributed", "destroy_distributed"]
+
+
+class TopologyError(ValueError):
+    """An impossible parallel layout; the message names the config keys involved."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Sizes and this rank's coordinates; groups are attached by ``init_distributed``."""
+
+    world_size: int
+    rank: int
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = field(default=0)
+
+    def __post_init__(self):
+        for name in ("tensor", "pipeline"):
+            value = getattr(self, name)
+            if value < 1:
+                raise TopologyError(f"parallel.{name}={value}: must be >= 1")
+        model_parallel = self.tensor * self.pipeline
+        if self.world_size % model_parallel:
+            raise TopologyError(
+                f"parallel.tensor={self.tensor} x parallel.pipeline={self.pipeline} = "
+                f"{model_parallel} does not divide the world size {self.world_size}"
+            )
+        data = self.world_size // model_parallel
+        if self.data not in (0, data):
+            raise TopologyError(
+                f"tensor {self.tensor} x pipeline {self.pipeline} x data {self.data} != "
+                f"world size {self.world_size}"
+            )
+        object.__setattr__(self, "data", data)
+        if not 0 <= self.rank < self.world_size:
+            raise TopologyError(f"rank {self.rank} outside world size {self.world_size}")
+
+    # Coordinates: rank = tp + tensor * (dp + data * pp)
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tensor) % self.data
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tensor * self.data)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pipeline - 1
+
+    def data_parallel_ranks(self) -> list[list[int]]:
+        """Every data-parallel group: ranks that differ only in their dp coordinate."""
+        groups = []
+        for pp in range(self.pipeline):
+            for tp in range(self.tensor):
+                base = tp + self.tensor * self.data * pp
+                groups.append([base + self.tensor * dp for dp in range(self.data)])
+        return groups
+
+    def require_supported(self) -> None:
+        """Tensor and pipeline parallelism arrive with later work; say so instead of mis-training."""
+        if self.tensor > 1:
+            raise TopologyError(
+                f"parallel.tensor={self.tensor}: tensor parallelism is not implemented yet; "
+                "use parallel.tensor=1"
+            )
+        if self.pipeline > 1:
+            raise TopologyError(
+                f"parallel.pipeline={self.pipeline}: pipeline parallelism is not implemented "
+                "yet; use parallel.pipeline=1"
+            )
+
+
+@dataclass
+class ProcessGroups:
+    """Process groups of one rank. ``data`` is None when there is one data-parallel rank."""
+
+    topology: Topology
+    data: dist.ProcessGroup | None = None
+    world: dist.ProcessGroup | None = None
+
+
+def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
+    """Initialise torch.distributed from torchrun's environment and build the groups.
+
+    Works without torchrun too (a single process: world size 1, no process group).
+    Returns ``(ProcessGroups, torch.device)``.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    topology = Topology(world_size=world_size, rank=rank, tensor=tensor, pipeline=pipeline)
+    device = devices.get_device(local_rank)
+    if backend == "auto":
+        backend = devices.dist_backend()
+    if backend == "nccl" and device.type != "cuda":
+        raise TopologyError("parallel.backend=nccl needs CUDA; this machine has none (use gloo)")
+    groups = ProcessGroups(topology)
+    if world_size > 1:
+        if not dist.is_initialized():
+            kwargs = {"device_id": device} if backend == "nccl" else {}
+            dist.init_process_group(backend=backend, **kwargs)
+        groups.world = dist.group.WORLD
+        for ranks in topology.data_parallel_ranks():
+            group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
+            if rank in ranks and len(ranks) > 1:
+                groups.data = group
+    return groups, device
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

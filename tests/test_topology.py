@@ -1,0 +1,35 @@
+"""Topology validation and rank coordinates (tensor fastest, then data, then pipeline)."""
+
+import pytest
+
+from parallel.topology import Topology, TopologyError
+
+
+def test_sizes_multiply_to_world():
+    t = Topology(world_size=8, rank=5, tensor=2, pipeline=2)
+    assert t.data == 2
+    assert (t.tp_rank, t.dp_rank, t.pp_rank) == (1, 0, 1)
+    assert t.is_last_stage
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "match"),
+    [(6, 4, 1, "parallel.tensor=4"), (4, 1, 3, "parallel.pipeline=3"), (4, 0, 1, "tensor=0")],
+)
+def test_impossible_layouts_name_the_keys(world, tp, pp, match):
+    with pytest.raises(TopologyError, match=match):
+        Topology(world_size=world, rank=0, tensor=tp, pipeline=pp)
+
+
+def test_data_parallel_groups_cover_every_rank_once():
+    t = Topology(world_size=8, rank=0, tensor=2, pipeline=2)
+    groups = t.data_parallel_ranks()
+    flat = sorted(r for g in groups for r in g)
+    assert flat == list(range(8))
+    assert [0, 2] in groups and [5, 7] in groups
+
+
+def test_unsupported_parallelism_says_not_implemented():
+    with pytest.raises(TopologyError, match="not implemented yet"):
+        Topology(world_size=2, rank=0, tensor=2).require_supported()
+    Topology(world_size=4, rank=3).require_supported()  # pure data parallel is fine

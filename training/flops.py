@@ -1,0 +1,69 @@
+"""Model FLOPs per step (Megatron's formula), TFLOP/s per GPU and MFU against a named peak."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["gpt_flops_per_step", "PEAK_TFLOPS", "peak_tflops_for", "measure_cpu_peak_tflops"]
+
+# Dense (no sparsity) vendor peaks in TFLOP/s, keyed by a substring of the device name.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "H800": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 80.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.0, "fp32": 30.3},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+}
+
+
+def gpt_flops_per_step(
+    *,
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    heads: int,
+    query_groups: int,
+    kv_channels: int,
+    ffn: int,
+    swiglu: bool,
+) -> float:
+    """FLOPs of one training step (forward + backward), causal, as Megatron counts them.
+
+    6·B·s·[L·(h(q+2kv) + q·s + q·h + h·f·(3 if swiglu else 2)) + h·V], with
+    q = kv_channels·heads and kv = kv_channels·query_groups.
+    """
+    q = kv_channels * heads
+    kv = kv_channels * query_groups
+    per_layer = hidden * (q + 2 * kv) + q * seq + q * hidden + hidden * ffn * (3 if swiglu else 2)
+    return 6.0 * batch * seq * (layers * per_layer + hidden * vocab)
+
+
+def peak_tflops_for(device_name: str, gemm: str) -> float | None:
+    """Dense peak of a known GPU for the GEMM dtype, or None when the device is unknown."""
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in device_name:
+            return peaks.get(gemm, peaks.get("bf16"))
+    return None
+
+
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """A measured fp32 matmul rate on this process's CPU threads: the denominator of CPU 'MFU'.
+
+    There is no vendor peak for an arbitrary CPU, so we report utilisation against what a large
+    plain GEMM achieves here, and label it as measured.
+    """
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    a @ b  # warm-up: thread pool and caches
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best / 1e12

@@ -1,0 +1,323 @@
+"""The training loop: micro-batches with accumulation, DP reduction, clipping, step, log, eval,
+checkpoint, resume. Megatron semantics: the logged loss is the mean over the log interval."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from data.sampler import micro_batches
+from fp8train import device as devices
+from parallel.data_parallel import allreduce_gradients
+from training.checkpointing import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from training.config import Config, ConfigError, config_to_dict
+from training.flops import gpt_flops_per_step, measure_cpu_peak_tflops, peak_tflops_for
+from training.memory import model_state_bytes
+from training.metrics import MetricsWriter, format_console_line
+from training.optimizer import clip_grad_norm
+from training.setup import RunState, build_run, num_microbatches
+
+__all__ = ["pretrain"]
+
+
+def _print(rank_logs: bool, *args) -> None:
+    if rank_logs:
+        print(*args, flush=True)
+
+
+def _autocast(state: RunState):
+    dtype = state.recipe.autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _forward_loss(state: RunState, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of masked token losses, number of tokens) of one micro-batch."""
+    with _autocast(state):
+        losses = state.model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (losses.float() * mask).sum(), mask.sum()
+
+
+def _allreduce_sum(values: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def train_step(state: RunState, data_iter, n_micro: int) -> dict:
+    """One optimizer step over ``n_micro`` micro-batches. Returns step statistics."""
+    opt, scaler = state.optimizer, state.scaler
+    loss_sum = torch.zeros((), device=state.device)
+    tokens = torch.zeros((), device=state.device)
+    for _ in range(n_micro):
+        batch = _to_device(next(data_iter), state.device)
+        total, count = _forward_loss(state, batch)
+        # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
+        scaler.scale(total / count.clamp(min=1) / n_micro).backward()
+        loss_sum += total.detach()
+        tokens += count
+    allreduce_gradients(opt.model_params, state.groups.data)
+    grads = opt.grads()
+    if scaler.loss_scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / scaler.loss_scale)
+    stats = {}
+    if state.bytes_per_param is None:  # measured once, while gradients are alive
+        state.bytes_per_param = model_state_bytes(state.model, opt)
+    grad_norm = clip_grad_norm(grads, state.cfg.training.clip_grad)
+    norm = float(grad_norm)
+    finite = math.isfinite(norm)
+    if finite:
+        opt.step()
+    scaler.update(found_inf=not finite)
+    state.scheduler.step(1)
+    opt.zero_grad()
+    reduced = _allreduce_sum(torch.stack([loss_sum, tokens]), state.groups.data)
+    stats.update(loss=float(reduced[0] / reduced[1]), grad_norm=norm, skipped=not finite)
+    return stats
+
+
+@torch.no_grad()
+def evaluate(state: RunState, n_micro: int) -> float:
+    """Mean validation loss over eval_iters global batches, always the same samples."""
+    t = state.cfg.training
+    topo = state.groups.topology
+    state.model.eval()
+    it = micro_batches(state.valid_ds, 0, t.micro_batch_size, topo.dp_rank, topo.data)
+    loss_sum = torch.zeros((), device=state.device)
+    tokens = torch.zeros((), device=state.device)
+    for _ in range(t.eval_iters * n_micro):
+        try:
+            batch = _to_device(next(it), state.device)
+        except StopIteration:
+            break
+        total, count = _forward_loss(state, batch)
+        loss_sum += total
+        tokens += count
+    state.model.train()
+    reduced = _allreduce_sum(torch.stack([loss_sum, tokens]), state.groups.data)
+    return float(reduced[0] / reduced[1].clamp(min=1))
+
+
+def _checkpoint_dir(cfg: Config) -> str:
+    return cfg.checkpoint.dir or f"{cfg.logging.dir}/checkpoints"
+
+
+def _find_resume(cfg: Config):
+    if cfg.checkpoint.load:
+        return cfg.checkpoint.load
+    if cfg.checkpoint.resume:
+        return latest_checkpoint(_checkpoint_dir(cfg))
+    return None
+
+
+def _check_compatible(cfg: Config, saved: dict, path) -> None:
+    """A checkpoint must come from the same model and level; name the first differing key."""
+    now = config_to_dict(cfg)
+    for section in ("model",):
+        for key, value in now[section].items():
+            old = saved["config"][section].get(key)
+            if old != value:
+                raise ConfigError(
+                    f"config: {section}.{key}={value!r} but checkpoint {path} has {old!r}"
+                )
+    old_level = saved["config"]["precision"]["level"]
+    if old_level != cfg.precision.level:
+        raise ConfigError(
+            f"config: precision.level={cfg.precision.level} but checkpoint {path} has "
+            f"{old_level} (converting between levels is not implemented yet)"
+        )
+
+
+def _restore(state: RunState, path) -> tuple[int, int]:
+    topo = state.groups.topology
+    ckpt = load_checkpoint(path, topo.rank)
+    _check_compatible(state.cfg, ckpt.metadata, path)
+    state.model.load_state_dict(ckpt.model, strict=True)
+    state.optimizer.load_state_tensors(ckpt.optimizer)
+    state.scheduler.load_state_dict(ckpt.metadata["scheduler"])
+    state.scaler.load_state_dict(ckpt.metadata["loss_scaler"])
+    if ckpt.rng:
+        restore_rng(ckpt.rng, state.device)
+    state.resumed_counters = ckpt.metadata.get("counters", {})
+    return ckpt.metadata["iteration"], ckpt.metadata["consumed_samples"]
+
+
+def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> None:
+    topo = state.groups.topology
+    meta = {
+        "config": config_to_dict(state.cfg),
+        "consumed_samples": consumed,
+        "scheduler": state.scheduler.state_dict(),
+        "loss_scaler": state.scaler.state_dict(),
+        "fp8_gemm_backend": state.gemm_backend,
+        "world_size": topo.world_size,
+        "counters": counters,
+    }
+    save_checkpoint(
+        _checkpoint_dir(state.cfg),
+        iteration,
+        model_state=state.model.state_dict(),
+        optimizer_state=state.optimizer.state_tensors(),
+        metadata=meta,
+        device=state.device,
+        rank=topo.rank,
+        writes_replicated=topo.rank == 0,
+        keep_last=state.cfg.checkpoint.keep_last,
+    )
+
+
+def _peak(state: RunState) -> tuple[float, str]:
+    cfg = state.cfg
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops, "configured"
+    name = devices.device_name(state.device)
+    known = peak_tflops_for(name, state.recipe.gemm)
+    if known is not None:
+        return known, f"dense {state.recipe.gemm} peak of {name}"
+    return measure_cpu_peak_tflops(), f"measured fp32 matmul rate of {name}"
+
+
+def _flops_per_step(state: RunState) -> float:
+    m, t = state.model_config, state.cfg.training
+    return gpt_flops_per_step(
+        batch=t.global_batch_size,
+        seq=m.seq_length,
+        layers=m.num_layers,
+        hidden=m.hidden_size,
+        vocab=m.vocab_size,
+        heads=m.num_attention_heads,
+        query_groups=m.num_query_groups or m.num_attention_heads,
+        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        ffn=m.ffn_hidden_size,
+        swiglu=m.activation == "swiglu",
+    )
+
+
+def pretrain(cfg: Config) -> dict:
+    """Train per ``cfg``; returns a summary (last logged loss, iterations run, ...)."""
+    resume_from = _find_resume(cfg)
+    saved_backend = None
+    if resume_from is not None:
+        import json
+        from pathlib import Path
+
+        saved_backend = json.loads((Path(resume_from) / "metadata.json").read_text()).get(
+            "fp8_gemm_backend"
+        )
+    state = build_run(cfg, gemm_backend=saved_backend)
+    topo = state.groups.topology
+    t, log = cfg.training, cfg.logging
+    # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.
+    logs = topo.rank == topo.world_size - 1
+    n_micro = num_microbatches(cfg, topo.data)
+
+    iteration, consumed = 0, 0
+    counters = {"skipped": 0, "nan": 0}
+    if resume_from is not None:
+        iteration, consumed = _restore(state, resume_from)
+        counters.update(state.resumed_counters)
+        _print(logs, f"resumed from {resume_from} at iteration {iteration}")
+    writer = MetricsWriter(log.dir, enabled=logs, tensorboard=log.tensorboard)
+    flops = _flops_per_step(state)
+    peak, peak_source = _peak(state)
+    n_params = sum(p.numel() for p in state.model.parameters())
+    _print(
+        logs,
+        f"> fp8train: level {state.recipe.level} ({asdict(state.recipe)}), "
+        f"world {topo.world_size} (tp {topo.tensor} pp {topo.pipeline} dp {topo.data}), "
+        f"{n_params / 1e6:.2f}M parameters, {n_micro} micro-batches/step, "
+        f"fp8 gemm backend {state.gemm_backend}, MFU peak {peak:.3f} TFLOP/s ({peak_source})",
+    )
+    writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
+    writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")
+
+    data_iter = micro_batches(state.train_ds, consumed, t.micro_batch_size, topo.dp_rank, topo.data)
+    interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
+    last = {}
+    start_time = time.time()
+    while iteration < t.train_iters:
+        stats = train_step(state, data_iter, n_micro)
+        iteration += 1
+        consumed += t.global_batch_size
+        counters["skipped"] += int(stats["skipped"])
+        counters["nan"] += int(not math.isfinite(stats["loss"]))
+        interval_loss += stats["loss"]
+        interval_steps += 1
+        eval_due = t.eval_iters > 0 and (
+            iteration % t.eval_interval == 0 or iteration == t.train_iters
+        )
+        if iteration % log.interval == 0 or iteration == t.train_iters or eval_due:
+            elapsed = (time.perf_counter() - interval_start) / interval_steps
+            valid = evaluate(state, n_micro) if eval_due else None
+            last = _log(state, writer, iteration, consumed, interval_loss / interval_steps,
+                        stats, elapsed, flops, peak, counters, logs, valid)
+            interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
+        stop = t.exit_interval and iteration % t.exit_interval == 0
+        if t.time_limit_minutes and time.time() - start_time > 60 * t.time_limit_minutes:
+            stop = True
+        save_every = cfg.checkpoint.save_interval
+        if save_every and iteration % save_every == 0 or iteration == t.train_iters or stop:
+            _save(state, iteration, consumed, counters)
+            _print(logs, f"saved checkpoint at iteration {iteration} to {_checkpoint_dir(cfg)}")
+            interval_start = time.perf_counter()  # saving is not training time
+        if stop:
+            break
+    writer.close()
+    return {"iteration": iteration, "consumed_samples": consumed, **last}
+
+
+def _log(state, writer, iteration, consumed, loss, stats, step_time, flops, peak, counters,
+         logs, valid) -> dict:
+    topo = state.groups.topology
+    tflops = flops / (step_time * 1e12 * topo.world_size)
+    bpp = state.bytes_per_param or {}
+    m = {
+        "iteration": iteration,
+        "consumed-samples": consumed,
+        "lm loss": loss,
+        "learning-rate": state.optimizer.param_groups[0]["lr"],
+        "grad-norm": stats["grad_norm"],
+        "loss-scale": state.scaler.loss_scale,
+        "batch-size": state.cfg.training.global_batch_size,
+        "iteration-time": step_time,
+        "throughput": tflops,
+        "mfu": tflops / peak,
+        "bytes-per-param": bpp.get("total"),
+        "bytes-per-param-by-role": {k: v for k, v in bpp.items() if k != "total"},
+        "skipped-iterations": counters["skipped"],
+        "nan-iterations": counters["nan"],
+    }
+    if valid is not None:
+        m["lm loss validation"] = valid
+        m["lm loss validation ppl"] = math.exp(min(valid, 20.0))
+    mem = devices.memory_stats(state.device)
+    for key, value in mem.items():
+        m[f"mem-{key}"] = value
+    if logs:
+        print(format_console_line(iteration, state.cfg.training.train_iters, m), flush=True)
+        if valid is not None:
+            print(f" validation loss at iteration {iteration} | lm loss value: {valid:.6E} | "
+                  f"lm loss PPL: {m['lm loss validation ppl']:.6E} |", flush=True)
+        scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
+        scalars.pop("iteration")
+        for role, value in m["bytes-per-param-by-role"].items():
+            scalars[f"bytes-per-param/{role}"] = value
+        if state.cfg.logging.log_fp8_stats and state.recipe.fp8_gemm:
+            for name, value in state.model.fp8_stats().items():
+                scalars[f"fp8/{name}"] = value
+        writer.scalars(iteration, scalars, samples=consumed)
+        writer.record(m)
+        writer.flush()
+    return m
+

@@ -1,0 +1,84 @@
+"""Where numbers go: the console line, TensorBoard (Megatron's tag names) and metrics.jsonl.
+
+Only the rank that holds the loss writes (the last pipeline stage; with data parallelism its
+last rank, as Megatron does), so every file has exactly one writer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["MetricsWriter", "format_console_line"]
+
+# Tags that also get a "<tag> vs samples" twin, as Megatron writes them.
+_SAMPLE_TWINS = ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size")
+
+
+def format_console_line(iteration: int, train_iters: int, m: dict) -> str:
+    """Megatron's training log line, field for field where the field exists here."""
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {m['consumed-samples']:12d}",
+        f"elapsed time per iteration (ms): {m['iteration-time'] * 1000:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {m['throughput']:.3f}",
+        f"MFU: {m['mfu'] * 100:.2f}%",
+        f"learning rate: {m['learning-rate']:.6E}",
+        f"global batch size: {m['batch-size']:5d}",
+        f"lm loss: {m['lm loss']:.6E}",
+        f"loss scale: {m['loss-scale']:.1f}",
+        f"grad norm: {m['grad-norm']:.3f}",
+        f"number of skipped iterations: {m['skipped-iterations']:3d}",
+        f"number of nan iterations: {m['nan-iterations']:3d}",
+    ]
+    return " | ".join(parts) + " |"
+
+
+class MetricsWriter:
+    """TensorBoard + JSON lines in ``log_dir``; inert on ranks that do not log."""
+
+    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = None
+        if not enabled:
+            return
+        path = Path(log_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(path / "tensorboard"), max_queue=100)
+        # Append: a resumed run continues the same file (records carry their iteration).
+        self.jsonl = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def scalars(self, iteration: int, values: dict[str, float], samples: int | None = None):
+        if not self.enabled or self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is None or not isinstance(value, int | float) or math.isnan(value):
+                continue
+            self.writer.add_scalar(tag, value, iteration)
+            if samples is not None and tag in _SAMPLE_TWINS:
+                self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def record(self, record: dict) -> None:
+        """One JSON object per logged iteration."""
+        if self.enabled:
+            self.jsonl.write(json.dumps(record, sort_keys=False) + "\n")
+
+    def text(self, tag: str, text: str) -> None:
+        if self.enabled and self.writer is not None:
+            self.writer.add_text(tag, text, 0)
+
+    def flush(self) -> None:
+        if self.enabled and self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.writer is not None:
+            self.writer.close()
+        self.jsonl.close()

@@ -1,0 +1,180 @@
+"""Build everything a run needs from a validated Config: groups, data, model, optimizer, state.
+
+Order follows torchtitan's train.py: topology -> data -> model -> precision -> optimizer ->
+resume. Every "not implemented yet" and every impossible layout fails here, before any work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from data.gpt_data import build_gpt_datasets
+from data.prepare import prepare_default_data
+from data.tokenizer import SentencePieceTokenizer
+from fp8train import gemm
+from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from fp8train.precision import PrecisionRecipe, get_recipe
+from fp8train.scaling import ScalingRecipe
+from models.gpt import GPTConfig, GPTModel, pad_vocab_size
+from parallel.topology import ProcessGroups, init_distributed
+from training.config import Config, ConfigError
+from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
+
+__all__ = ["RunState", "build_run", "prepare_data", "num_microbatches"]
+
+
+@dataclass
+class RunState:
+    cfg: Config
+    groups: ProcessGroups
+    device: torch.device
+    recipe: PrecisionRecipe
+    tokenizer: SentencePieceTokenizer
+    model: GPTModel
+    model_config: GPTConfig
+    optimizer: TrainOptimizer
+    scheduler: object
+    scaler: object
+    train_ds: object
+    valid_ds: object
+    gemm_backend: str | None
+    bytes_per_param: dict | None = None  # measured at the first step, while grads are alive
+    resumed_counters: dict | None = None
+
+
+def num_microbatches(cfg: Config, data_parallel: int) -> int:
+    t = cfg.training
+    per_step = t.micro_batch_size * data_parallel
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"config: training.global_batch_size={t.global_batch_size} is not divisible by "
+            f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {data_parallel}"
+        )
+    return t.global_batch_size // per_step
+
+
+def prepare_data(cfg: Config, rank: int):
+    """(tokenizer model path, data prefix). Rank 0 builds the default corpus; the rest wait."""
+    d = cfg.data
+    if d.corpus == "stdlib":
+        if rank == 0:
+            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank != 0:
+            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
+        return prepared.tokenizer_model, prepared.data_prefix
+    for key, path in (("data.tokenizer_model", d.tokenizer_model),):
+        if not os.path.exists(path):
+            raise ConfigError(f"config: {key}: file not found: {path}")
+    for suffix in (".bin", ".idx"):
+        if not os.path.exists(d.data_prefix + suffix):
+            raise ConfigError(f"config: data.data_prefix: file not found: {d.data_prefix}{suffix}")
+    return d.tokenizer_model, d.data_prefix
+
+
+def _scaling(cfg: Config) -> ScalingRecipe:
+    p = cfg.precision
+    return ScalingRecipe(
+        mode=p.fp8_recipe,
+        amax_history_len=p.amax_history_len,
+        margin=p.fp8_margin,
+        power_of_two=p.fp8_power_of_two,
+    )
+
+
+def _scaler(cfg: Config, recipe: PrecisionRecipe):
+    if not recipe.uses_loss_scaling:
+        return ConstantLossScaler()
+    p = cfg.precision
+    return DynamicLossScaler(
+        initial_scale=p.initial_loss_scale,
+        min_scale=p.min_loss_scale,
+        max_scale=p.max_loss_scale,
+        growth_interval=p.loss_scale_window,
+        hysteresis=p.hysteresis,
+    )
+
+
+_BACKENDS = ("emulated", "scaled_mm")
+
+
+def _agree_gemm_backend(choice: str, device: torch.device) -> str:
+    """Rank 0 picks (measuring when "auto") and every rank uses its pick: timings differ per
+    process, and replicas must run the same arithmetic to stay reproducible."""
+    picked = gemm.select_gemm_backend(device, choice)
+    if dist.is_initialized():
+        code = torch.tensor([_BACKENDS.index(picked)], dtype=torch.int64, device=device)
+        dist.broadcast(code, src=0)
+        picked = _BACKENDS[int(code.item())]
+    return picked
+
+
+def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
+    """Everything but resume. ``gemm_backend`` forces the FP8 GEMM backend (a resumed run
+    reuses the one its checkpoint used, so the loss sequence stays bit-identical)."""
+    recipe = get_recipe(cfg.precision.level).require_implemented()
+    if cfg.optimizer.distributed:
+        raise ConfigError(
+            "config: optimizer.distributed=true: the distributed optimizer is not implemented "
+            "yet; use optimizer.distributed=false"
+        )
+    groups, device = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline,
+                                      cfg.parallel.backend)
+    topo = groups.topology
+    topo.require_supported()
+    num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
+
+    tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
+    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    vocab = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
+    model_config = GPTConfig.from_model_section(cfg.model, vocab)
+
+    # Same seed on every rank: data-parallel replicas start identical without a broadcast.
+    torch.manual_seed(cfg.training.seed)
+    model = GPTModel(model_config, recipe, _scaling(cfg)).to(device)
+    if recipe.param_dtype != torch.float32:
+        for p in model.parameters():  # parameters only: FP8 scaling buffers stay FP32
+            p.data = p.data.to(recipe.param_dtype)
+
+    chosen = None
+    if recipe.fp8_gemm:
+        chosen = _agree_gemm_backend(gemm_backend or cfg.precision.fp8_gemm_backend, device)
+        gemm.set_gemm_backend(chosen)
+
+    optimizer = build_optimizer(model, recipe, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.training.train_iters)
+
+    t = cfg.training
+    train_samples = t.train_iters * t.global_batch_size
+    evals = t.train_iters // t.eval_interval + 1
+    valid_samples = max(1, t.eval_iters * t.global_batch_size) * (1 if evals else 0)
+    train_ds, valid_ds = build_gpt_datasets(
+        data_prefix,
+        tokenizer,
+        seq_length=cfg.model.seq_length,
+        seed=t.seed,
+        split=cfg.data.split,
+        train_samples=train_samples,
+        valid_samples=valid_samples,
+        cache_dir=os.path.join(cfg.data.cache_dir, "indices"),
+    )
+    return RunState(
+        cfg=cfg,
+        groups=groups,
+        device=device,
+        recipe=recipe,
+        tokenizer=tokenizer,
+        model=model,
+        model_config=model_config,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=_scaler(cfg, recipe),
+        train_ds=train_ds,
+        valid_ds=valid_ds,
+        gemm_backend=chosen,
+    )
