@@ -1,0 +1,212 @@
+"""GPT decoder: GPT-2/GPT-3 by default, with the Llama switches (RoPE, RMSNorm, SwiGLU, GQA,
+untied head).
+
+Every transformer GEMM goes through ``fp8train.linear.Linear`` with the precision recipe (see
+``models/transformer.py`` for the fused QKV and fc1 layouts). The output head does not: it is
+either the tied word-embedding matrix or an untied ``output_layer`` built with ``recipe=None``,
+and both are embedding-class weights, kept in higher precision at every level because
+(a) the logits feed the softmax directly, so FP8 error there shifts every token probability
+(TE and MS-AMP keep the vocab projection out of FP8 for this reason), and (b) a tied matrix is
+also the input embedding, a lookup table the precision table keeps in FP32/BF16.
+
+Logits are returned, and the cross entropy computed, in float32 even when parameters are bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8train.linear import Linear
+from fp8train.precision import PrecisionRecipe
+from fp8train.scaling import ScalingRecipe
+from models.transformer import (
+    TransformerConfig,
+    TransformerLayer,
+    collect_fp8_stats,
+    init_transformer_weights,
+    linear_modules,
+    make_norm,
+    rotary_cos_sin,
+)
+
+__all__ = ["GPTConfig", "GPTModel", "pad_vocab_size"]
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
+    """Megatron's ``make_vocab_size_divisible_by``: round up to a multiple of
+    ``divisible_by * tp_size`` so the head GEMM has friendly shapes and splits evenly under TP.
+    """
+    multiple = divisible_by * tp_size
+    if multiple < 1:
+        raise ValueError(f"make_vocab_size_divisible_by * tp_size = {multiple}: must be >= 1")
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class GPTConfig(TransformerConfig):
+    """GPT model shape; field names equal the config file's ``model.*`` keys.
+
+    ``vocab_size`` is the padded size (see ``pad_vocab_size``), given by the caller.
+    """
+
+    seq_length: int
+    vocab_size: int
+    max_position_embeddings: int | None = None  # None -> seq_length
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    untie_embeddings_and_output_weights: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"model.position_embedding_type={self.position_embedding_type!r}: choose one "
+                f"of {POSITION_EMBEDDING_TYPES}"
+            )
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"model.seq_length={self.seq_length} exceeds "
+                f"model.max_position_embeddings={self.max_position_embeddings}"
+            )
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ValueError(f"RoPE needs an even model.kv_channels, got {self.kv_channels}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size={self.vocab_size}: must be >= 1")
+
+    @classmethod
+    def from_model_section(cls, section: object, vocab_size: int) -> GPTConfig:
+        """Build from any object (or mapping) whose attributes are named like the fields.
+
+        Missing attributes keep the field default; extra ones (tokenizer settings, ...) are
+        ignored. ``vocab_size`` comes from the caller because it depends on the tokenizer and
+        the padding, not on the model section.
+        """
+        get = section.get if isinstance(section, Mapping) else lambda k, d: getattr(section, k, d)
+        missing = object()
+        kwargs = {}
+        for f in fields(cls):
+            if f.name == "vocab_size":
+                continue
+            value = get(f.name, missing)
+            if value is not missing:
+                kwargs[f.name] = value
+        return cls(vocab_size=vocab_size, **kwargs)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only LM. ``forward(tokens)`` -> float32 logits, or per-token loss with labels.
+
+    Module names (used by checkpoints and by ``fp8_stats``): ``word_embeddings``,
+    ``position_embeddings`` (learned only), ``layers.{i}.{input_norm, attention.qkv,
+    attention.proj, post_attention_norm, mlp.fc1, mlp.fc2}``, ``final_norm``,
+    ``output_layer`` (untied only).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        recipe: PrecisionRecipe | None = None,
+        scaling: ScalingRecipe | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.recipe = recipe
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, h, device=device)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, recipe, scaling, causal=True, device=device)
+            for _ in range(config.num_layers)
+        )
+        self.final_norm = make_norm(config, device=device)
+        # recipe=None: the head stays in higher precision (module docstring).
+        self.output_layer = (
+            Linear(h, config.vocab_size, bias=False, recipe=None, device=device)
+            if config.untie_embeddings_and_output_weights
+            else None
+        )
+        if torch.device(device or "cpu").type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
+        init_transformer_weights(self, self.config.init_method_std, self.config.num_layers)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens ``[b, s]`` int64 -> logits ``[b, s, V]`` float32, or with ``labels`` ``[b, s]``
+        the unreduced cross entropy ``[b, s]`` float32 (Megatron style: the caller applies the
+        loss mask and averages). Labels equal to -100 give zero loss.
+        """
+        b, s = tokens.shape
+        cfg = self.config
+        if position_ids is None:
+            if s > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {s} exceeds max_position_embeddings "
+                    f"{cfg.max_position_embeddings}"
+                )
+            position_ids = torch.arange(s, device=tokens.device)[None]  # [1, s]
+        x = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)  # [b, s, h]
+        x = self.embedding_dropout(x)
+        rotary = None
+        if cfg.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base)
+        for layer in self.layers:
+            x = layer(x, rotary)  # [b, s, h]
+        x = self.final_norm(x)  # [b, s, h]
+        if self.output_layer is not None:
+            logits = self.output_layer(x)  # [b, s, V]
+        else:
+            logits = F.linear(x, self.word_embeddings.weight)  # [b, s, V]
+        logits = logits.float()  # softmax / cross entropy in fp32 at every level
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(
+            logits.view(b * s, -1), labels.reshape(b * s), reduction="none"
+        )  # [b*s]
+        return loss.view(b, s)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied head counts once). ``exclude_embeddings`` drops the word and
+        position embeddings and an untied output layer (Kaplan et al.'s non-embedding count).
+        """
+        skip: set[int] = set()
+        if exclude_embeddings:
+            embeds = (self.word_embeddings, self.position_embeddings, self.output_layer)
+            skip = {id(p) for m in embeds if m is not None for p in m.parameters()}
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def linear_modules(self) -> Iterator[tuple[str, Linear]]:
+        """(name, Linear) of every ``fp8train.linear.Linear``, e.g. ``layers.0.attention.qkv``.
+
+        Includes an untied ``output_layer`` (recipe None), so filter on the recipe if needed.
+        """
+        return linear_modules(self)
+
+    def fp8_stats(self) -> dict[str, object]:
+        """Each Linear's ``fp8_stats()`` keyed by module name; empty at non-FP8 levels."""
+        return collect_fp8_stats(self)

@@ -1,0 +1,333 @@
+"""Transformer blocks shared by GPT, RoBERTa and ViT.
+
+Pre-norm layers (``x + attn(norm(x))``, ``x + mlp(norm(x))``) whose four GEMMs (fused QKV,
+attention output projection, fc1, fc2) all go through ``fp8train.linear.Linear`` with the
+model's precision recipe, so an FP8 level changes every transformer GEMM and nothing else.
+Norms, biases and embeddings stay in higher precision at every level (the precision table).
+
+Fused QKV layout (checkpoint conversion depends on it). Megatron's per-query-group interleaving:
+the ``qkv.weight`` rows ``[G * (r + 2) * d, hidden]`` with G = num_query_groups,
+r = num_attention_heads // G (query heads per group) and d = kv_channels are ordered
+
+    for g in range(G):  [q head g*r, ..., q head g*r + r-1, k head g, v head g]   (each d rows)
+
+so ``qkv.view(G, r + 2, d, hidden)`` splits it. Chosen over ``[q | k | v]`` blocks because a
+tensor-parallel column split of dim 0 then hands each rank whole query groups (no per-block
+re-split) and Megatron checkpoints use the same order. With G == heads (plain MHA) it is
+``[q0, k0, v0, q1, k1, v1, ...]``.
+
+Fused SwiGLU fc1 layout: ``fc1.weight`` rows are ``[gate (f rows) | up (f rows)]`` and the
+activation is ``silu(gate) * up`` (Megatron's single-rank layout; a TP split must split each
+half, not dim 0 as a whole).
+
+GELU is the tanh approximation, as in the published GPT-2 code (HF ``gelu_new``), so converted
+GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8train.linear import Linear
+from fp8train.precision import PrecisionRecipe
+from fp8train.scaling import ScalingRecipe
+
+__all__ = [
+    "TransformerConfig",
+    "RMSNorm",
+    "make_norm",
+    "rotary_cos_sin",
+    "apply_rotary",
+    "SelfAttention",
+    "MLP",
+    "TransformerLayer",
+    "linear_modules",
+    "collect_fp8_stats",
+    "init_transformer_weights",
+]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Fields of the shared blocks; the names equal the config file's ``model.*`` keys.
+
+    ``None`` fields are resolved in ``__post_init__`` so a built config is fully concrete.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # None -> num_attention_heads (plain MHA)
+    kv_channels: int | None = None  # None -> hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # None -> 4h, or 8h/3 rounded up to 64 for swiglu
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)}: must be >= 1")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"model.normalization={self.normalization!r}: choose one of {NORMALIZATIONS}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}: choose one of {ACTIVATIONS}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"model.hidden_size={self.hidden_size} is not divisible by "
+                    f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                # Same parameter count as a 4h GELU MLP (3 matrices of 8h/3 vs 2 of 4h).
+                self.ffn_hidden_size = -(-int(8 * self.hidden_size / 3) // 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 whatever the parameter dtype (bf16 mean-squares lose bits)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(config: TransformerConfig, device=None) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config.hidden_size, config.norm_epsilon, device=device)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, device=device)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[b, s, 1, dim]`` in float32 for rotate-half RoPE (Llama/Megatron style).
+
+    Recomputed every forward instead of cached in buffers: it costs O(s * dim), and buffers
+    would be cast by ``model.to(bfloat16)``, whose 8-bit mantissa garbles angles at large
+    positions.
+    """
+    inv_freq = base ** (
+        -torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim
+    )  # [dim/2]
+    freqs = position_ids.float()[..., None] * inv_freq  # [b, s, dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [b, s, 1, dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[b, s, n, d]`` by the angles; the arithmetic runs in float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with a fused QKV GEMM (layout: module doc)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        recipe: PrecisionRecipe | None = None,
+        scaling: ScalingRecipe | None = None,
+        *,
+        causal: bool = True,
+        device=None,
+    ):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.causal = causal
+        self.dropout_p = config.attention_dropout
+        qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim
+        bias = config.add_bias_linear
+        lin = dict(recipe=recipe, scaling=scaling, device=device)
+        self.qkv = Linear(config.hidden_size, qkv_out, bias, **lin)
+        self.proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias, **lin)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x ``[b, s, h]`` -> ``[b, s, h]``.
+
+        attn_mask: optional boolean mask broadcastable to ``[b, heads, s, s]`` (True = attend),
+        for padding in bidirectional models; a causal layer ANDs it with the causal mask.
+        """
+        b, s, _ = x.shape
+        G, d = self.num_groups, self.head_dim
+        r = self.num_heads // G
+        qkv = self.qkv(x).view(b, s, G, r + 2, d)  # [b, s, G, r+2, d]
+        q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, d)  # [b, s, H, d]
+        k = qkv[:, :, :, r]  # [b, s, G, d]
+        v = qkv[:, :, :, r + 1]  # [b, s, G, d]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, H|G, s, d]
+        causal = self.causal
+        if causal and attn_mask is not None:
+            tri = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            attn_mask, causal = attn_mask & tri, False
+        # Query head i reads kv group i // r: exactly SDPA's enable_gqa broadcast.
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            enable_gqa=G != self.num_heads,
+        )  # [b, H, s, d]
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, H*d]
+        return self.proj(y)  # [b, s, h]
+
+
+class MLP(nn.Module):
+    """GELU MLP (h -> f -> h) or SwiGLU with fused ``[gate | up]`` fc1 (h -> 2f -> h)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        recipe: PrecisionRecipe | None = None,
+        scaling: ScalingRecipe | None = None,
+        *,
+        device=None,
+    ):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        f = config.ffn_hidden_size
+        bias = config.add_bias_linear
+        lin = dict(recipe=recipe, scaling=scaling, device=device)
+        self.fc1 = Linear(config.hidden_size, 2 * f if self.swiglu else f, bias, **lin)
+        self.fc2 = Linear(f, config.hidden_size, bias, **lin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)  # [b, s, f] or [b, s, 2f]
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)  # [b, s, f] each
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.fc2(y)  # [b, s, h]
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        recipe: PrecisionRecipe | None = None,
+        scaling: ScalingRecipe | None = None,
+        *,
+        causal: bool = True,
+        device=None,
+    ):
+        super().__init__()
+        self.input_norm = make_norm(config, device=device)
+        self.attention = SelfAttention(config, recipe, scaling, causal=causal, device=device)
+        self.post_attention_norm = make_norm(config, device=device)
+        self.mlp = MLP(config, recipe, scaling, device=device)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rotary, attn_mask))  # [b, s, h]
+        x = x + self.dropout(self.mlp(self.post_attention_norm(x)))  # [b, s, h]
+        return x
+
+
+def linear_modules(module: nn.Module) -> Iterator[tuple[str, Linear]]:
+    """(name, module) of every ``fp8train.linear.Linear`` under ``module``."""
+    for name, m in module.named_modules():
+        if isinstance(m, Linear):
+            yield name, m
+
+
+def collect_fp8_stats(module: nn.Module) -> dict[str, object]:
+    """``{"layers.0.attention.qkv": linear.fp8_stats(), ...}`` for Linears that report stats.
+
+    Linears without FP8 state (recipe None / not fp8, or a Linear with no ``fp8_stats``) are
+    skipped, so the dict is empty for non-FP8 levels.
+    """
+    stats: dict[str, object] = {}
+    for name, m in linear_modules(module):
+        fn = getattr(m, "fp8_stats", None)
+        if fn is None:
+            continue
+        s = fn()
+        if s:
+            stats[name] = s
+    return stats
+
+
+@torch.no_grad()
+def init_transformer_weights(module: nn.Module, std: float, num_layers: int) -> None:
+    """Megatron init: weights N(0, std), output projections (attention ``proj`` and ``fc2``)
+    N(0, std / sqrt(2 * num_layers)) because each layer adds two residual branches whose
+    variance otherwise grows with depth; biases zero; norms one; FP8 scaling state reset.
+    """
+    scaled_std = std / math.sqrt(2.0 * num_layers)
+    for name, m in module.named_modules():
+        if isinstance(m, Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            nn.init.normal_(m.weight, 0.0, scaled_std if leaf in ("proj", "fc2") else std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+            reset_fp8 = getattr(m, "reset_fp8_state", None)
+            if reset_fp8 is not None:  # fresh scales, e.g. after to_empty on a meta build
+                reset_fp8()
+        elif isinstance(m, (nn.LayerNorm, RMSNorm)):
+            nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
