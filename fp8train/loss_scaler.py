@@ -34,7 +34,7 @@ class ConstantLossScaler:
 
 
 class DynamicLossScaler:
-    """Grow the scale after ``growth_interval`` clean steps, back off after ``hysteresis`` overflows.
+    """Grow the scale after clean steps, back off after ``hysteresis`` overflows.
 
     Hysteresis: an overflow only halves the scale once ``hysteresis`` overflows have been seen
     since the last growth/backoff, so one spike does not throw away a good scale (Megatron).

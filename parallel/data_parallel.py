@@ -40,7 +40,7 @@ def allreduce_gradients(params, group: dist.ProcessGroup | None) -> None:
 
 
 def broadcast_parameters(module: torch.nn.Module, group: dist.ProcessGroup | None, src: int):
-    """Make every rank start from rank ``src``'s weights (same seed already does; this asserts it)."""
+    """Make every rank hold rank ``src`'s weights (the shared seed already should)."""
     if group is None:
         return
     for tensor in list(module.parameters()) + list(module.buffers()):

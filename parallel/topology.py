@@ -78,7 +78,7 @@ class Topology:
         return groups
 
     def require_supported(self) -> None:
-        """Tensor and pipeline parallelism arrive with later work; say so instead of mis-training."""
+        """TP and PP arrive with later work: say so rather than mis-train."""
         if self.tensor > 1:
             raise TopologyError(
                 f"parallel.tensor={self.tensor}: tensor parallelism is not implemented yet; "

@@ -11,8 +11,18 @@ def test_formula_matches_hand_counted_gemms():
     # Training = 3 passes (fwd + 2x bwd) x 2 FLOPs per MAC = 6 x MACs.
     fwd_macs_per_token = L * (3 * h * h + s * h + h * h + 2 * h * f) + h * V
     expected = 6 * b * s * fwd_macs_per_token
-    got = gpt_flops_per_step(batch=b, seq=s, layers=L, hidden=h, vocab=V, heads=heads,
-                             query_groups=heads, kv_channels=h // heads, ffn=f, swiglu=False)
+    got = gpt_flops_per_step(
+        batch=b,
+        seq=s,
+        layers=L,
+        hidden=h,
+        vocab=V,
+        heads=heads,
+        query_groups=heads,
+        kv_channels=h // heads,
+        ffn=f,
+        swiglu=False,
+    )
     assert got == expected
 
 

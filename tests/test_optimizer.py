@@ -7,22 +7,38 @@ import torch
 from fp8train.precision import get_recipe
 from training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
 
-OPT = SimpleNamespace(type="adamw", lr=1e-2, min_lr=1e-3, weight_decay=0.1, adam_beta1=0.9,
-                      adam_beta2=0.95, adam_eps=1e-8, lr_warmup_iters=2, lr_decay_iters=None,
-                      lr_decay_style="cosine")
+OPT = SimpleNamespace(
+    type="adamw",
+    lr=1e-2,
+    min_lr=1e-3,
+    weight_decay=0.1,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1e-8,
+    lr_warmup_iters=2,
+    lr_decay_iters=None,
+    lr_decay_style="cosine",
+)
 
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
 
 
 def _reference(model):
     ref = [p.detach().double().clone().requires_grad_() for p in model.parameters()]
     decay = [r for r, p in zip(ref, model.parameters()) if p.ndim >= 2]
     no_decay = [r for r, p in zip(ref, model.parameters()) if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=OPT.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=OPT.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+    )
     return ref, opt
 
 
@@ -36,7 +52,7 @@ def test_bf16_master_weights_follow_adamw_on_accumulated_fp32_grads():
         p["lr"] = OPT.lr
         p["weight_decay"] = OPT.weight_decay * p["wd_mult"]
     x = torch.randn(2, 5, 8)
-    for step in range(3):
+    for _ in range(3):
         bf16_grads = [torch.zeros_like(r) for r in ref]
         for micro in range(2):  # two micro-batches accumulate into the FP32 main_grad
             model(x[micro].bfloat16()).float().square().mean().backward()
@@ -77,7 +93,7 @@ def test_fp32_optimizer_state_round_trip():
 
 def test_scheduler_warmup_then_cosine_to_min():
     opt = build_optimizer(_model(), get_recipe("fp32"), OPT)
-    sched = build_scheduler(opt, OPT, train_iters=10)
+    sched = build_scheduler(opt, OPT, decay_iters=10)
     lrs = []
     for _ in range(10):
         sched.step(1)

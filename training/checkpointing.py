@@ -152,8 +152,7 @@ def load_checkpoint(path: str | os.PathLike, rank: int) -> LoadedCheckpoint:
         raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"{meta_file}: format_version {metadata.get('format_version')} is not "
-            f"{FORMAT_VERSION}"
+            f"{meta_file}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}"
         )
     rng_file = path / f"rng_rank{rank}.safetensors"
     return LoadedCheckpoint(

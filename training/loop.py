@@ -109,15 +109,11 @@ def evaluate(state: RunState, n_micro: int) -> float:
     return float(reduced[0] / reduced[1].clamp(min=1))
 
 
-def _checkpoint_dir(cfg: Config) -> str:
-    return cfg.checkpoint.dir or f"{cfg.logging.dir}/checkpoints"
-
-
 def _find_resume(cfg: Config):
     if cfg.checkpoint.load:
         return cfg.checkpoint.load
     if cfg.checkpoint.resume:
-        return latest_checkpoint(_checkpoint_dir(cfg))
+        return latest_checkpoint(cfg.resolved_checkpoint_dir())
     return None
 
 
@@ -165,7 +161,7 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         "counters": counters,
     }
     save_checkpoint(
-        _checkpoint_dir(state.cfg),
+        state.cfg.resolved_checkpoint_dir(),
         iteration,
         model_state=state.model.state_dict(),
         optimizer_state=state.optimizer.state_tensors(),
@@ -260,8 +256,20 @@ def pretrain(cfg: Config) -> dict:
         if iteration % log.interval == 0 or iteration == t.train_iters or eval_due:
             elapsed = (time.perf_counter() - interval_start) / interval_steps
             valid = evaluate(state, n_micro) if eval_due else None
-            last = _log(state, writer, iteration, consumed, interval_loss / interval_steps,
-                        stats, elapsed, flops, peak, counters, logs, valid)
+            last = _log(
+                state,
+                writer,
+                iteration,
+                consumed,
+                interval_loss / interval_steps,
+                stats,
+                elapsed,
+                flops,
+                peak,
+                counters,
+                logs,
+                valid,
+            )
             interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
         stop = t.exit_interval and iteration % t.exit_interval == 0
         if t.time_limit_minutes and time.time() - start_time > 60 * t.time_limit_minutes:
@@ -269,7 +277,10 @@ def pretrain(cfg: Config) -> dict:
         save_every = cfg.checkpoint.save_interval
         if save_every and iteration % save_every == 0 or iteration == t.train_iters or stop:
             _save(state, iteration, consumed, counters)
-            _print(logs, f"saved checkpoint at iteration {iteration} to {_checkpoint_dir(cfg)}")
+            _print(
+                logs,
+                f"saved checkpoint at iteration {iteration} to {cfg.resolved_checkpoint_dir()}",
+            )
             interval_start = time.perf_counter()  # saving is not training time
         if stop:
             break
@@ -277,8 +288,9 @@ def pretrain(cfg: Config) -> dict:
     return {"iteration": iteration, "consumed_samples": consumed, **last}
 
 
-def _log(state, writer, iteration, consumed, loss, stats, step_time, flops, peak, counters,
-         logs, valid) -> dict:
+def _log(
+    state, writer, iteration, consumed, loss, stats, step_time, flops, peak, counters, logs, valid
+) -> dict:
     topo = state.groups.topology
     tflops = flops / (step_time * 1e12 * topo.world_size)
     bpp = state.bytes_per_param or {}
@@ -307,8 +319,11 @@ def _log(state, writer, iteration, consumed, loss, stats, step_time, flops, peak
     if logs:
         print(format_console_line(iteration, state.cfg.training.train_iters, m), flush=True)
         if valid is not None:
-            print(f" validation loss at iteration {iteration} | lm loss value: {valid:.6E} | "
-                  f"lm loss PPL: {m['lm loss validation ppl']:.6E} |", flush=True)
+            print(
+                f" validation loss at iteration {iteration} | lm loss value: {valid:.6E} | "
+                f"lm loss PPL: {m['lm loss validation ppl']:.6E} |",
+                flush=True,
+            )
         scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
         scalars.pop("iteration")
         for role, value in m["bytes-per-param-by-role"].items():
@@ -320,4 +335,3 @@ def _log(state, writer, iteration, consumed, loss, stats, step_time, flops, peak
         writer.record(m)
         writer.flush()
     return m
-

@@ -111,7 +111,9 @@ class TrainOptimizer:
 
     def bytes_by_role(self) -> dict[str, int]:
         """Bytes of master weights and optimizer states actually held, for bytes-per-param."""
-        master = sum(m.numel() * m.element_size() for m in self.master_params) if self.use_master else 0
+        master = (
+            sum(m.numel() * m.element_size() for m in self.master_params) if self.use_master else 0
+        )
         states = 0
         for slots in self.optimizer.state.values():
             for value in slots.values():
@@ -131,9 +133,10 @@ def build_optimizer(model, recipe: PrecisionRecipe, opt_cfg) -> TrainOptimizer:
     return TrainOptimizer(model, recipe, opt_cfg)
 
 
-def build_scheduler(optimizer: TrainOptimizer, opt_cfg, train_iters: int) -> OptimizerParamScheduler:
+def build_scheduler(
+    optimizer: TrainOptimizer, opt_cfg, decay_iters: int
+) -> OptimizerParamScheduler:
     """Warmup + decay via megatron-core's scheduler, stepped once per iteration."""
-    decay_iters = opt_cfg.lr_decay_iters or train_iters
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

@@ -19,7 +19,7 @@ from fp8train import gemm
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
-from models.gpt import GPTConfig, GPTModel, pad_vocab_size
+from models.gpt import GPTConfig, GPTModel
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
@@ -123,15 +123,16 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
             "config: optimizer.distributed=true: the distributed optimizer is not implemented "
             "yet; use optimizer.distributed=false"
         )
-    groups, device = init_distributed(cfg.parallel.tensor, cfg.parallel.pipeline,
-                                      cfg.parallel.backend)
+    groups, device = init_distributed(
+        cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
+    )
     topo = groups.topology
     topo.require_supported()
     num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
 
     tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
-    vocab = pad_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
+    vocab = cfg.model.padded_vocab_size(tokenizer.vocab_size, topo.tensor)
     model_config = GPTConfig.from_model_section(cfg.model, vocab)
 
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
@@ -147,7 +148,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(model, recipe, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.training.train_iters)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
 
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size

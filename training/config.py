@@ -1,0 +1,279 @@
+"""YAML -> validated ``Config``: loading, dotted overrides, dict round trip, generated reference.
+
+    cfg = load_config("configs/gpt_tiny.yaml", ["training.train_iters=50", "precision.level=bf16"])
+
+Strict by design: unknown sections and keys, wrong types, bad enum values and inconsistent
+combinations are all ``ConfigError`` with a one-line message that names the dotted key, so the
+entry point can print it and exit 2 instead of training the wrong thing for hours.
+
+The schema (sections, defaults, documentation, per-field checks) is in ``config_schema.py``.
+Resolved values: ``cfg.model.ffn_size()``, ``kv_channels_or_default()``, ``query_groups()``,
+``max_positions()``, ``padded_vocab_size(v, tp)``; ``cfg.resolved_checkpoint_dir()`` and
+``cfg.resolved_lr_decay_iters()``. ``python -m training.config --reference`` prints the
+reference that docs/CONFIG.md must equal (a test checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from training.config_schema import (
+    PRECISION_LEVELS,
+    SECTIONS,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+    field_spec,
+    show_value,
+)
+
+__all__ = [
+    "ConfigError",
+    "Config",
+    "ModelConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "ParallelConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "PRECISION_LEVELS",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "apply_overrides",
+    "parse_yaml",
+    "config_reference_markdown",
+]
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-3 as a float (YAML 1.1 demands a dot) and rejects duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _one_line(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(err).split())
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text with the config loader; errors become one-line ``ConfigError``."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader derives from SafeLoader
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config: cannot parse {source}: {_one_line(err)}") from None
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    """Unknown-key error with a suggestion: the same name in another section, else a near match."""
+    keys = _all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    close = [k for k in keys if k.rsplit(".", 1)[1] == leaf] or difflib.get_close_matches(
+        key, keys if "." in key else list(SECTIONS), n=1, cutoff=0.6
+    )
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"config: unknown key {key!r}{hint}")
+
+
+def _check_keys(d: Any) -> dict[str, dict[str, Any]]:
+    """Validate the two-level shape and the key names; returns a plain nested dict copy."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(
+            f"config: the top level must be a mapping of sections, got {show_value(d)}"
+        )
+    out: dict[str, dict[str, Any]] = {}
+    for section, body in d.items():
+        if section not in SECTIONS:
+            raise _unknown(str(section))
+        if body is None:  # a section whose keys are all commented out
+            body = {}
+        if not isinstance(body, Mapping):
+            raise ConfigError(
+                f"config: {section} must be a mapping of keys, got {show_value(body)}"
+            )
+        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key in body:
+            if key not in names:
+                raise _unknown(f"{section}.{key}")
+        out[section] = dict(body)
+    return out
+
+
+def config_from_dict(d: Mapping[str, Any]) -> Config:
+    """Build and validate a Config from nested mappings; missing keys take their defaults."""
+    checked = _check_keys(d)
+    sections = {name: cls(**checked.get(name, {})) for name, cls in SECTIONS.items()}
+    return Config(**sections)
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict of every key (JSON/YAML-serialisable); config_from_dict inverts it."""
+    return dataclasses.asdict(cfg)
+
+
+def _merge(d: dict[str, dict[str, Any]], overrides: Iterable[str]) -> dict[str, dict[str, Any]]:
+    if isinstance(overrides, str):  # a lone string would otherwise be iterated per character
+        overrides = [overrides]
+    for arg in overrides:
+        key, sep, raw = arg.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"config: override {arg!r} must look like section.key=value")
+        section, dot, name = key.partition(".")
+        if section not in SECTIONS:
+            raise _unknown(key)
+        if not dot:
+            example = f"{section}.{dataclasses.fields(SECTIONS[section])[0].name}"
+            raise ConfigError(f"config: override {arg!r} must name a key, e.g. {example}=...")
+        if name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
+            raise _unknown(key)
+        d.setdefault(section, {})[name] = parse_yaml(raw, f"override {arg!r}")
+    return d
+
+
+def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
+    """A new Config with dotted ``section.key=value`` overrides applied (values parsed as YAML)."""
+    return config_from_dict(_merge(config_to_dict(cfg), overrides))
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
+    """Read a YAML config, apply overrides, validate; every problem is a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ConfigError(f"config: cannot read config file {path!r}: {reason}") from None
+    raw = parse_yaml(text, repr(path))
+    if raw is None:  # an empty file means "all defaults"
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"config: {path!r} must hold a mapping of sections, got {show_value(raw)}"
+        )
+    return config_from_dict(_merge(_check_keys(raw), overrides))
+
+
+def _type_name(cls: type, name: str) -> str:
+    spec = field_spec(cls, name)
+    text = " \\| ".join(spec.choices) if spec.choices else spec.kind.__name__
+    return text + (" \\| null" if spec.optional else "")
+
+
+def config_reference_markdown() -> str:
+    """The key reference for docs/CONFIG.md, generated from the schema so it cannot drift."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by training.config.config_reference_markdown(); do not edit by hand.",
+        "     Regenerate: .venv/bin/python -m training.config --reference > docs/CONFIG.md -->",
+        "",
+        "A config is a YAML file with the sections below; every key is optional and unknown",
+        "keys are errors. Override any key from the command line with `section.key=value`",
+        "(the value is parsed as YAML: `true`, `3`, `1e-3`, `null`).",
+        "",
+    ]
+    for section, cls in SECTIONS.items():
+        lines += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            limits = [
+                f"{sign} {f.metadata[op]:g}"
+                for op, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+                if op in f.metadata
+            ]
+            doc = f.metadata["doc"] + (f" ({', '.join(limits)})" if limits else "")
+            default = show_value(f.default).strip("'")
+            doc = doc.replace("|", "\\|")  # a bare | would end the table cell
+            lines.append(
+                f"| `{section}.{f.name}` | {_type_name(cls, f.name)} | `{default}` | {doc} |"
+            )
+        lines.append("")
+    return "\n".join(lines + _RULES)
+
+
+# Rules that involve more than one key; the per-key limits are in the tables above.
+_RULES = [
+    "## Rules across keys",
+    "",
+    "- `model.hidden_size` divisible by `model.num_attention_heads` unless `model.kv_channels`"
+    " is set; `model.num_attention_heads` divisible by `model.num_query_groups`.",
+    "- `model.max_position_embeddings` (when set) ≥ `model.seq_length`.",
+    "- `model.num_attention_heads`, the query groups and the MLP width divisible by"
+    " `parallel.tensor`; `model.num_layers` divisible by `parallel.pipeline` (times"
+    " `parallel.virtual_pipeline` when set).",
+    "- `parallel.sequence_parallel` needs `parallel.tensor` > 1; `parallel.virtual_pipeline`"
+    " needs `parallel.pipeline` > 1.",
+    "- `training.global_batch_size` divisible by `training.micro_batch_size` (and, at launch, by"
+    " micro batch × data-parallel size).",
+    "- `optimizer.lr` ≥ `optimizer.min_lr`; `optimizer.lr_warmup_iters` ≤"
+    " `optimizer.lr_decay_iters` when the latter is set.",
+    "- `precision.max_loss_scale` ≥ `precision.initial_loss_scale` ≥ `precision.min_loss_scale`.",
+    "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model`.",
+    "",
+    "Values the code resolves from nulls: `cfg.model.query_groups()`,"
+    " `cfg.model.kv_channels_or_default()`, `cfg.model.ffn_size()`, `cfg.model.max_positions()`,"
+    " `cfg.model.padded_vocab_size(vocab, tensor)`, `cfg.resolved_checkpoint_dir()`,"
+    " `cfg.resolved_lr_decay_iters()`, `cfg.data.split_weights()`.",
+    "",
+]
+
+
+def _main(argv: list[str]) -> int:
+    """``--reference``: print the key reference; ``FILE [k=v ...]``: validate, print resolved."""
+    if argv == ["--reference"]:
+        sys.stdout.write(config_reference_markdown())
+        return 0
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m training.config --reference | CONFIG.yaml [key=value ...]")
+        return 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    sys.stdout.write(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,472 @@
+"""The configuration schema: one frozen dataclass per YAML section, validated on construction.
+
+Every field carries its default and its documentation (``metadata["doc"]``); docs/CONFIG.md is
+generated from these, so the code is the only place a key is described. Range limits live in
+the metadata too (``ge``/``gt``/``le``/``lt``) so the generated reference can state them.
+
+Validation runs in ``__post_init__``: a ``Config`` that exists is a valid one, whether it came
+from YAML, from ``dataclasses.replace`` or from a test building ``ModelConfig(...)`` directly.
+Checks here need only the config; anything that needs the world size (data-parallel divisibility
+of the batch, GPU count) is checked where the topology is known.
+
+Loading, overrides and the generated reference live in ``training/config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "ParallelConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "Config",
+    "SECTIONS",
+    "PRECISION_LEVELS",
+    "field_spec",
+    "show_value",
+]
+
+PrecisionLevel = Literal["fp32", "bf16", "fp16", "te", "O1", "O2", "O3"]
+PRECISION_LEVELS: tuple[str, ...] = typing.get_args(PrecisionLevel)
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line, starts with 'config:' and names the key.
+
+    The entry point prints it (no traceback) and exits with status 2.
+    """
+
+
+def _f(default: Any, doc: str, **limits: float) -> Any:
+    """A field with documentation and optional numeric limits (ge, gt, le, lt)."""
+    return field(default=default, metadata={"doc": doc, **limits})
+
+
+def show_value(value: Any) -> str:
+    """Render a value the way the YAML user wrote it: null/true/false, strings quoted."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    # Messages must stay one short line even when someone passes a whole mapping.
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What a field accepts, decoded from its annotation (used by validation and the docs)."""
+
+    kind: type  # int, float, bool or str
+    optional: bool
+    choices: tuple[str, ...] | None
+
+
+@functools.cache
+def field_spec(cls: type, name: str) -> FieldSpec:
+    hint = typing.get_type_hints(cls)[name]
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is Literal:
+        return FieldSpec(str, optional, typing.get_args(hint))
+    return FieldSpec(hint, optional, None)
+
+
+_KIND_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+_LIMITS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
+
+
+class _Section:
+    """Shared validation for the section dataclasses (field types, enums, numeric limits)."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _check_field(self, f, getattr(self, f.name))
+            # Frozen: normalise ints given for float fields so the round trip is type-exact.
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field checks inside the section; overridden where needed."""
+
+    def _err(self, msg: str) -> ConfigError:
+        return ConfigError(f"config: {msg}")
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}"
+
+
+def _check_field(section: _Section, f: dataclasses.Field, value: Any) -> Any:
+    key = section._key(f.name)
+    spec = field_spec(type(section), f.name)
+    if value is None and spec.optional:
+        return None
+    if spec.kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+        if not math.isfinite(value):
+            raise section._err(f"{key} must be a finite number, got {show_value(value)}")
+    # Strict: bool is an int subclass and 3.0 is not an int; neither is accepted for int fields.
+    elif type(value) is not spec.kind:
+        words = _KIND_WORDS[spec.kind] + (" or null" if spec.optional else "")
+        raise section._err(f"{key} must be {words}, got {show_value(value)}")
+    if spec.choices is not None and value not in spec.choices:
+        hint = [c for c in spec.choices if c.lower() == value.lower()]
+        suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
+        choices = ", ".join(spec.choices)
+        raise section._err(f"{key} must be one of {choices}, got {show_value(value)}{suffix}")
+    if value == "":
+        raise section._err(f"{key} must be a non-empty string")
+    for name, bound in f.metadata.items():
+        if name in _LIMITS and not _LIMITS[name][0](value, bound):
+            raise section._err(f"{key} must be {_LIMITS[name][1]} {bound:g}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+
+    num_layers: int = _f(4, "Transformer layers.", ge=1)
+    hidden_size: int = _f(256, "Model width h.", ge=1)
+    num_attention_heads: int = _f(4, "Query heads.", ge=1)
+    num_query_groups: int | None = _f(
+        None, "Key/value heads; null = one per query head (MHA), fewer = GQA.", ge=1
+    )
+    kv_channels: int | None = _f(None, "Per-head width; null = hidden_size / heads.", ge=1)
+    ffn_hidden_size: int | None = _f(
+        None,
+        "MLP width; null = 4*hidden (gelu) or int(8/3*hidden) rounded up to a multiple of 64 "
+        "(swiglu, which keeps the parameter count of a 4*hidden gelu MLP).",
+        ge=1,
+    )
+    seq_length: int = _f(256, "Tokens per training sample.", ge=1)
+    max_position_embeddings: int | None = _f(
+        None, "Positions the model supports; null = seq_length.", ge=1
+    )
+    position_embedding_type: Literal["learned_absolute", "rope"] = _f(
+        "learned_absolute", "learned_absolute (GPT-2/3) or rope (rotary, Llama)."
+    )
+    rotary_base: float = _f(10000.0, "RoPE theta (only with rope).", gt=0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = _f("LayerNorm", "Norm layer type.")
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norm layers.", gt=0)
+    activation: Literal["gelu", "swiglu"] = _f("gelu", "MLP activation.")
+    add_bias_linear: bool = _f(True, "Biases in the linear layers (false for Llama).")
+    untie_embeddings_and_output_weights: bool = _f(
+        False, "Separate output head instead of reusing the input embedding."
+    )
+    hidden_dropout: float = _f(0.0, "Dropout after attention/MLP.", ge=0, lt=1)
+    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", ge=0, lt=1)
+    init_method_std: float = _f(0.02, "Std of the normal weight initialisation.", gt=0)
+    make_vocab_size_divisible_by: int = _f(
+        128,
+        "Pad the vocabulary to a multiple of this (times parallel.tensor, as in Megatron).",
+        ge=1,
+    )
+
+    def _check(self) -> None:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise self._err(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads}) when "
+                "model.kv_channels is null"
+            )
+        if self.num_attention_heads % self.query_groups():
+            raise self._err(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})"
+            )
+        if self.max_positions() < self.seq_length:
+            raise self._err(
+                f"model.max_position_embeddings ({self.max_position_embeddings}) must be >= "
+                f"model.seq_length ({self.seq_length})"
+            )
+
+    # Resolved values: the fields keep null (so the stored config says "default"), these give
+    # the concrete numbers every consumer must use.
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def kv_channels_or_default(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return -(-int(8 / 3 * self.hidden_size) // 64) * 64
+        return 4 * self.hidden_size
+
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, vocab_size: int, tensor: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    SECTION: ClassVar[str] = "data"
+
+    corpus: Literal["stdlib", "prefix"] = _f(
+        "stdlib",
+        "stdlib = build the default corpus (Python standard library sources) and train a "
+        "tokenizer on it; prefix = read Megatron .bin/.idx files at data.data_prefix.",
+    )
+    data_prefix: str | None = _f(
+        None, "Megatron dataset path without .bin/.idx (e.g. data/owt_text_document); for prefix."
+    )
+    tokenizer_model: str | None = _f(None, "Tokenizer model file; required for prefix.")
+    vocab_size: int = _f(4096, "Vocabulary of the tokenizer trained on the stdlib corpus.", ge=2)
+    cache_dir: str = _f(".cache/data", "Where the default corpus and its tokenizer are cached.")
+    split: str = _f("98,2,0", "train,valid,test weights: three non-negative numbers, not all 0.")
+
+    def _check(self) -> None:
+        self.split_weights()  # raises on a malformed split
+        if self.corpus == "prefix":
+            for name in ("data_prefix", "tokenizer_model"):
+                if getattr(self, name) is None:
+                    raise self._err(f"data.{name} is required when data.corpus is 'prefix'")
+
+    def split_weights(self) -> tuple[float, float, float]:
+        """The split as normalised fractions (train, valid, test)."""
+        bad = self._err(
+            f"data.split must be three comma-separated non-negative numbers, not all zero, "
+            f"got {show_value(self.split)}"
+        )
+        try:
+            parts = tuple(float(p) for p in self.split.split(","))
+        except ValueError:
+            raise bad from None
+        if len(parts) != 3 or not all(math.isfinite(p) and p >= 0 for p in parts):
+            raise bad
+        total = sum(parts)
+        if total == 0:
+            raise bad
+        return (parts[0] / total, parts[1] / total, parts[2] / total)
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    SECTION: ClassVar[str] = "training"
+
+    train_iters: int = _f(300, "Optimizer steps to train for.", ge=1)
+    micro_batch_size: int = _f(8, "Samples per forward/backward on one data-parallel rank.", ge=1)
+    global_batch_size: int = _f(
+        16,
+        "Samples per optimizer step over all data-parallel ranks (sets grad accumulation).",
+        ge=1,
+    )
+    seed: int = _f(1234, "Random seed for init, data order and dropout.", ge=0)
+    eval_interval: int = _f(100, "Evaluate on the validation split every N steps.", ge=1)
+    eval_iters: int = _f(4, "Validation batches per evaluation; 0 disables evaluation.", ge=0)
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this; 0 disables.", ge=0)
+    exit_interval: int | None = _f(
+        None, "Stop (after saving) once the step count is a multiple of this.", ge=1
+    )
+    time_limit_minutes: float | None = _f(
+        None, "Stop (after saving) once this much wall time has passed.", gt=0
+    )
+
+    def _check(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise self._err(
+                f"training.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"training.micro_batch_size ({self.micro_batch_size})"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    SECTION: ClassVar[str] = "optimizer"
+
+    type: Literal["adamw"] = _f("adamw", "Optimizer (AdamW with decoupled weight decay).")
+    lr: float = _f(1e-3, "Peak learning rate.", ge=0)
+    min_lr: float = _f(1e-4, "Learning rate at the end of the decay.", ge=0)
+    weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norms).", ge=0)
+    adam_beta1: float = _f(0.9, "Adam beta1.", ge=0, lt=1)
+    adam_beta2: float = _f(0.95, "Adam beta2.", ge=0, lt=1)
+    adam_eps: float = _f(1e-8, "Adam epsilon.", gt=0)
+    lr_warmup_iters: int = _f(20, "Linear warm-up steps from 0 to optimizer.lr.", ge=0)
+    lr_decay_iters: int | None = _f(
+        None, "Step at which the decay reaches min_lr; null = training.train_iters.", ge=1
+    )
+    lr_decay_style: Literal["cosine", "linear", "constant"] = _f(
+        "cosine", "Shape of the decay after warm-up."
+    )
+    distributed: bool = _f(
+        False, "Shard optimizer state over data-parallel ranks (ZeRO-1; O3 builds on it)."
+    )
+
+    def _check(self) -> None:
+        if self.min_lr > self.lr:
+            raise self._err(
+                f"optimizer.lr ({self.lr:g}) must be >= optimizer.min_lr ({self.min_lr:g})"
+            )
+        # Only an explicit decay length is checked: shortening train_iters for a smoke run
+        # must not trip over the warm-up of the shipped config.
+        if self.lr_decay_iters is not None and self.lr_warmup_iters > self.lr_decay_iters:
+            raise self._err(
+                f"optimizer.lr_warmup_iters ({self.lr_warmup_iters}) must be <= "
+                f"optimizer.lr_decay_iters ({self.lr_decay_iters})"
+            )
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(_Section):
+    SECTION: ClassVar[str] = "precision"
+
+    level: PrecisionLevel = _f(
+        "te",
+        "Row of the precision table: fp32; bf16 (mixed, FP32 master); fp16 (AMP); te (FP8 "
+        "GEMMs only); O1 (+FP8 weight grads and comm, FP16 weights); O2 (+FP8/FP16 Adam "
+        "moments); O3 (+FP8 weights, FP16 master sharded by the distributed optimizer).",
+    )
+    fp8_recipe: Literal["delayed", "current"] = _f(
+        "delayed", "FP8 scaling: delayed (amax history) or current (per-tensor amax now)."
+    )
+    amax_history_len: int = _f(16, "Steps of amax history for delayed scaling.", ge=1)
+    fp8_margin: int = _f(0, "Scale down by 2**margin for headroom below the FP8 maximum.", ge=0)
+    fp8_power_of_two: bool = _f(False, "Round FP8 scales to powers of two.")
+    fp8_gemm_backend: Literal["auto", "scaled_mm", "emulated"] = _f(
+        "auto", "auto = torch._scaled_mm where it works, else emulated (cast, then GEMM)."
+    )
+    initial_loss_scale: float = _f(65536.0, "Starting dynamic loss scale (fp16, O1-O3).", gt=0)
+    loss_scale_window: int = _f(1000, "Steps without overflow before the scale doubles.", ge=1)
+    hysteresis: int = _f(2, "Overflows tolerated before the scale is halved.", ge=1)
+    min_loss_scale: float = _f(1.0, "Lower bound of the loss scale.", gt=0)
+    max_loss_scale: float = _f(16777216.0, "Upper bound of the loss scale (2**24).", gt=0)
+
+    def _check(self) -> None:
+        for high, low in (("max", "initial"), ("initial", "min")):
+            hi, lo = getattr(self, f"{high}_loss_scale"), getattr(self, f"{low}_loss_scale")
+            if hi < lo:
+                raise self._err(
+                    f"precision.{high}_loss_scale ({hi!r}) must be >= "
+                    f"precision.{low}_loss_scale ({lo!r})"
+                )
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    SECTION: ClassVar[str] = "parallel"
+
+    tensor: int = _f(1, "Tensor-parallel size.", ge=1)
+    pipeline: int = _f(1, "Pipeline-parallel stages.", ge=1)
+    virtual_pipeline: int | None = _f(
+        None, "Model chunks per pipeline stage (interleaved 1F1B); null = not interleaved.", ge=2
+    )
+    sequence_parallel: bool = _f(False, "Shard norms/dropout over the sequence (needs tensor > 1).")
+    backend: Literal["auto", "gloo", "nccl"] = _f(
+        "auto", "Process-group backend; auto = nccl on CUDA, gloo on CPU."
+    )
+
+    def _check(self) -> None:
+        if self.sequence_parallel and self.tensor == 1:
+            raise self._err("parallel.sequence_parallel requires parallel.tensor > 1")
+        if self.virtual_pipeline is not None and self.pipeline == 1:
+            raise self._err("parallel.virtual_pipeline requires parallel.pipeline > 1")
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    SECTION: ClassVar[str] = "logging"
+
+    dir: str = _f("runs/gpt_tiny", "Run directory (TensorBoard events, logs, checkpoints).")
+    interval: int = _f(10, "Log training metrics every N steps.", ge=1)
+    tensorboard: bool = _f(True, "Write TensorBoard events to logging.dir.")
+    peak_tflops: float | None = _f(
+        None, "Peak TFLOP/s for MFU; null = the GPU's known dense peak (measured on CPU).", gt=0
+    )
+    log_fp8_stats: bool = _f(True, "Log FP8 amax/scale and overflow/underflow statistics.")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    SECTION: ClassVar[str] = "checkpoint"
+
+    dir: str | None = _f(None, "Where checkpoints go; null = {logging.dir}/checkpoints.")
+    save_interval: int = _f(100, "Save every N steps; 0 disables periodic saves.", ge=0)
+    resume: bool = _f(True, "Resume from the latest checkpoint in checkpoint.dir if one exists.")
+    load: str | None = _f(None, "Explicit checkpoint directory to start from.")
+    keep_last: int = _f(2, "Checkpoints kept in checkpoint.dir; 0 keeps all.", ge=0)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run configuration; sections mirror the YAML file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
+                raise ConfigError(f"config: {f.name} must be a {SECTIONS[f.name].__name__}")
+        m, p = self.model, self.parallel
+        # Each tensor-parallel rank owns whole heads, whole KV groups and an equal MLP slice.
+        for key, value in (
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_query_groups", m.query_groups()),
+            ("model.ffn_hidden_size", m.ffn_size()),
+        ):
+            if value % p.tensor:
+                raise ConfigError(
+                    f"config: {key} ({value}) must be divisible by parallel.tensor ({p.tensor})"
+                )
+        stages = p.pipeline * (p.virtual_pipeline or 1)
+        if m.num_layers % stages:
+            what = "parallel.pipeline"
+            if p.virtual_pipeline:
+                what += " * parallel.virtual_pipeline"
+            raise ConfigError(
+                f"config: model.num_layers ({m.num_layers}) must be divisible by {what} ({stages})"
+            )
+
+    def resolved_checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.logging.dir, "checkpoints")
+
+    def resolved_lr_decay_iters(self) -> int:
+        return self.optimizer.lr_decay_iters or self.training.train_iters
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "parallel": ParallelConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
