@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -72,13 +71,14 @@ def train_step(state: RunState, data_iter, n_micro: int) -> dict:
     if scaler.loss_scale != 1.0:
         torch._foreach_mul_(grads, 1.0 / scaler.loss_scale)
     stats = {}
-    if state.bytes_per_param is None:  # measured once, while gradients are alive
-        state.bytes_per_param = model_state_bytes(state.model, opt)
     grad_norm = clip_grad_norm(grads, state.cfg.training.clip_grad)
     norm = float(grad_norm)
     finite = math.isfinite(norm)
     if finite:
         opt.step()
+    if state.bytes_per_param is None and finite:
+        # Measured once, after the step (optimizer states exist) while gradients are alive.
+        state.bytes_per_param = model_state_bytes(state.model, opt)
     scaler.update(found_inf=not finite)
     state.scheduler.step(1)
     opt.zero_grad()
@@ -228,12 +228,14 @@ def pretrain(cfg: Config) -> dict:
     flops = _flops_per_step(state)
     peak, peak_source = _peak(state)
     n_params = sum(p.numel() for p in state.model.parameters())
+    r = state.recipe
     _print(
         logs,
-        f"> fp8train: level {state.recipe.level} ({asdict(state.recipe)}), "
-        f"world {topo.world_size} (tp {topo.tensor} pp {topo.pipeline} dp {topo.data}), "
-        f"{n_params / 1e6:.2f}M parameters, {n_micro} micro-batches/step, "
-        f"fp8 gemm backend {state.gemm_backend}, MFU peak {peak:.3f} TFLOP/s ({peak_source})",
+        f"> fp8train: level {r.level} (GEMM {r.gemm}, grad comm {r.grad_comm}, weight {r.weight}, "
+        f"master {r.master_weight or '-'}, weight grad {r.weight_grad}, Adam {r.adam_m}+{r.adam_v})"
+        f" | world {topo.world_size} (tp {topo.tensor} pp {topo.pipeline} dp {topo.data}) | "
+        f"{n_params / 1e6:.2f}M parameters | {n_micro} micro-batches/step | "
+        f"fp8 gemm backend {state.gemm_backend} | MFU peak {peak:.3f} TFLOP/s ({peak_source})",
     )
     writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
     writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")

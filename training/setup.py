@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from data.gpt_data import build_gpt_datasets
-from data.prepare import prepare_default_data
+from data.prepare import prepare_data_from_prefix, prepare_default_data
 from data.tokenizer import SentencePieceTokenizer
 from fp8train import gemm
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -68,13 +68,12 @@ def prepare_data(cfg: Config, rank: int):
         if rank != 0:
             prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
         return prepared.tokenizer_model, prepared.data_prefix
-    for key, path in (("data.tokenizer_model", d.tokenizer_model),):
-        if not os.path.exists(path):
-            raise ConfigError(f"config: {key}: file not found: {path}")
-    for suffix in (".bin", ".idx"):
-        if not os.path.exists(d.data_prefix + suffix):
-            raise ConfigError(f"config: data.data_prefix: file not found: {d.data_prefix}{suffix}")
-    return d.tokenizer_model, d.data_prefix
+    try:
+        prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
+    except (FileNotFoundError, ValueError) as err:
+        key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
+        raise ConfigError(f"config: {key}: {err}") from None
+    return prepared.tokenizer_model, prepared.data_prefix
 
 
 def _scaling(cfg: Config) -> ScalingRecipe:
@@ -118,6 +117,12 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     """Everything but resume. ``gemm_backend`` forces the FP8 GEMM backend (a resumed run
     reuses the one its checkpoint used, so the loss sequence stays bit-identical)."""
     recipe = get_recipe(cfg.precision.level).require_implemented()
+    decay_iters = cfg.resolved_lr_decay_iters()
+    if cfg.optimizer.lr_warmup_iters >= decay_iters:
+        raise ConfigError(
+            f"config: optimizer.lr_warmup_iters={cfg.optimizer.lr_warmup_iters} must be less than "
+            f"the decay length {decay_iters} (optimizer.lr_decay_iters, else training.train_iters)"
+        )
     if cfg.optimizer.distributed:
         raise ConfigError(
             "config: optimizer.distributed=true: the distributed optimizer is not implemented "
@@ -148,7 +153,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(model, recipe, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
+    scheduler = build_scheduler(optimizer, cfg.optimizer, decay_iters)
 
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size

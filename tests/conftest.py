@@ -1,0 +1,52 @@
+"""Shared fixtures: a small real corpus (40 stdlib files, 512-token SentencePiece model) built
+once per session, and tiny-GPT configs that train in well under a second per step on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Two cores: keep each test process to one intra-op thread so parallel ranks do not fight.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    from data.corpus import stdlib_documents, stdlib_root
+    from data.prepare import prepare_corpus_data
+
+    cache = tmp_path_factory.mktemp("data_cache")
+    return prepare_corpus_data(cache, stdlib_documents()[:40], 512, root=stdlib_root(),
+                               name="tiny")
+
+
+def tiny_overrides(data, run_dir, level="te", **extra) -> list[str]:
+    """Overrides that shrink configs/gpt_tiny.yaml to a seconds-long job on ``data``."""
+    values = {
+        "model.num_layers": 2,
+        "model.hidden_size": 64,
+        "model.num_attention_heads": 2,
+        "model.seq_length": 64,
+        "data.corpus": "prefix",
+        "data.data_prefix": data.data_prefix,
+        "data.tokenizer_model": data.tokenizer_model,
+        "data.cache_dir": str(Path(run_dir) / "cache"),
+        "training.train_iters": 6,
+        "training.micro_batch_size": 2,
+        "training.global_batch_size": 4,
+        "training.eval_interval": 3,
+        "training.eval_iters": 1,
+        "optimizer.lr_warmup_iters": 2,
+        "logging.interval": 1,
+        "logging.dir": str(run_dir),
+        "checkpoint.save_interval": 3,
+        "precision.level": level,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
