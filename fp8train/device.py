@@ -1,0 +1,117 @@
+"""The one place that talks to ``torch.cuda``: everything else asks this module.
+
+Keeping CUDA calls here is what lets the same trainer run on a laptop CPU (gloo) and on H100s
+(nccl): every other module handles a ``torch.device`` and never branches on CUDA itself.
+All functions accept a CPU device and then do the cheap, harmless thing.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+__all__ = [
+    "cuda_capability",
+    "device_name",
+    "dist_backend",
+    "get_device",
+    "is_cuda",
+    "manual_seed_all",
+    "memory_stats",
+    "reset_peak_memory",
+    "rng_state",
+    "set_rng_state",
+    "synchronize",
+]
+
+
+def is_cuda() -> bool:
+    """Whether a CUDA device is usable in this process."""
+    return torch.cuda.is_available()
+
+
+def get_device(local_rank: int | None = None) -> torch.device:
+    """``cuda:local_rank`` when CUDA is available (``cuda:current`` if no rank), else CPU."""
+    if not is_cuda():
+        return torch.device("cpu")
+    index = torch.cuda.current_device() if local_rank is None else local_rank
+    torch.cuda.set_device(index)  # NCCL and default-device allocations follow this
+    return torch.device("cuda", index)
+
+
+def dist_backend() -> str:
+    return "nccl" if is_cuda() else "gloo"
+
+
+def _is_cuda_device(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued work on ``device`` (timers need this; on CPU work is already done)."""
+    if _is_cuda_device(device):
+        torch.cuda.synchronize(device)
+
+
+def memory_stats(device: torch.device | str | None = None) -> dict[str, int]:
+    """Allocator bytes on a CUDA device: allocated, reserved, max_allocated. ``{}`` on CPU."""
+    if not _is_cuda_device(device):
+        return {}
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "max_allocated": torch.cuda.max_memory_allocated(device),
+    }
+
+
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    if _is_cuda_device(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """Human-readable device name, e.g. "NVIDIA H100 80GB HBM3" or the CPU model."""
+    if _is_cuda_device(device):
+        return torch.cuda.get_device_name(device)
+    return _cpu_model()
+
+
+def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """Compute capability (e.g. (9, 0) for Hopper); None for a non-CUDA device."""
+    if not _is_cuda_device(device):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor)
+
+
+def rng_state(device: torch.device | str | None = None) -> torch.Tensor | None:
+    """The CUDA generator state of ``device`` (for checkpoints); None on CPU."""
+    if not _is_cuda_device(device):
+        return None
+    return torch.cuda.get_rng_state(device)
+
+
+def set_rng_state(state: torch.Tensor | None, device: torch.device | str | None = None) -> None:
+    """Restore a state from ``rng_state``; a no-op on CPU or for a None state."""
+    if state is None or not _is_cuda_device(device):
+        return
+    torch.cuda.set_rng_state(state.cpu(), device)
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed the CPU generator and, when present, every CUDA generator."""
+    torch.manual_seed(seed)  # also seeds CUDA generators lazily in current torch
+    if is_cuda():
+        torch.cuda.manual_seed_all(seed)

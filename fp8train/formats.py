@@ -1,0 +1,58 @@
+"""FP8 formats (E4M3, E5M2) and the one cast every FP8 tensor in the project goes through.
+
+Overflow convention: **saturate**. A value whose magnitude exceeds the format's largest finite
+number becomes ±max, ±inf becomes ±max, NaN stays NaN; everything in range is rounded to the
+nearest representable value, ties to even (subnormals included). This is what Transformer
+Engine and MS-AMP do, and it is what delayed scaling needs: a scale chosen from past amaxes may
+be slightly too large for today's tensor, and clipping a few outliers costs far less than
+turning them into NaN (E4M3FN has no inf, so ml_dtypes/numpy-style casts give NaN) or inf
+(E5M2 overflow in ml_dtypes and in torch's own cast), which would poison the whole GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_to_fp8"]
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """One FP8 encoding: its torch dtype and the numbers that drive scaling."""
+
+    name: str  # "E4M3" | "E5M2"
+    dtype: torch.dtype
+    max: float  # largest finite magnitude
+    min_normal: float
+    min_subnormal: float
+
+    def __post_init__(self):
+        fi = torch.finfo(self.dtype)
+        # The literals are the spec; finfo is the implementation. They must agree.
+        if fi.max != self.max or fi.smallest_normal != self.min_normal:
+            raise ValueError(f"{self.name}: literals disagree with torch.finfo({self.dtype})")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+E4M3 = FP8Format("E4M3", torch.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9)
+E5M2 = FP8Format("E5M2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16)
+FORMATS: dict[str, FP8Format] = {f.name: f for f in (E4M3, E5M2)}
+
+
+def cast_to_fp8(
+    x: torch.Tensor, fmt: FP8Format, scale: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """``saturate(x * scale)`` rounded to nearest-even in ``fmt``; returns a ``fmt.dtype`` tensor.
+
+    The multiply happens in fp32 (bf16/fp16 inputs widen exactly, so an unscaled cast rounds
+    once). ``clamp`` keeps NaN as NaN and maps ±inf to ±max, which is the saturating convention.
+    """
+    if scale is None:
+        y = x.float().clamp(-fmt.max, fmt.max)  # out of place: x.float() may be x itself
+    else:
+        y = (x.float() * scale).clamp_(-fmt.max, fmt.max)
+    return y.to(fmt.dtype)

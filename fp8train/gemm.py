@@ -1,0 +1,173 @@
+"""The FP8 GEMM: ``a @ b.T`` of two ``Float8Tensor`` with their scales applied.
+
+Two backends compute the same thing:
+
+- "scaled_mm": ``torch._scaled_mm`` (FP8 tensor cores on CUDA sm89+; a oneDNN/reference kernel
+  on CPU). cuBLASLt wants the first operand row-major, the second column-major, K and N
+  multiples of 16, and never E5M2 x E5M2; shapes that do not fit go to "emulated".
+- "emulated": upcast both FP8 operands to fp32 (exact), fp32 matmul, multiply by both
+  ``scale_inv``. FP8 x FP8 products are exact in fp32 (and in TF32, should a CUDA fp32 matmul
+  use it), so this matches the hardware's fp32 accumulation up to summation order and the
+  rounding of the final scale multiply.
+
+"auto" times both once per device type on a representative shape and keeps the faster (with a
+10% handicap on scaled_mm so that near-ties do not flip between processes); a run
+that must reproduce another bit for bit should pin the backend (``set_gemm_backend`` or the
+``FP8TRAIN_GEMM_BACKEND`` environment variable), because the two differ in the last fp32 bits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import device as _device
+from .formats import E4M3, E5M2
+from .tensor import Float8Tensor
+
+__all__ = [
+    "BACKENDS",
+    "fp8_gemm",
+    "measure_gemm_backends",
+    "scaled_mm_available",
+    "select_gemm_backend",
+    "set_gemm_backend",
+]
+
+BACKENDS = ("scaled_mm", "emulated")
+ENV_VAR = "FP8TRAIN_GEMM_BACKEND"
+
+_forced: str | None = None
+_auto_choice: dict[str, str] = {}  # device type -> backend chosen by timing
+_available: dict[str, bool] = {}  # device type -> torch._scaled_mm works there
+
+# "auto" takes scaled_mm only when it is clearly faster: where the two are close (CPU) a
+# coin-flip choice would change the last bits of results from one process to the next.
+_AUTO_MARGIN = 0.9
+# Shapes timed by "auto": big enough that kernel launch costs do not decide. (M, K, N)
+_AUTO_SHAPE = {"cpu": (2048, 256, 768), "cuda": (8192, 4096, 4096)}
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"FP8 GEMM backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def set_gemm_backend(name: str | None) -> None:
+    """Force a backend for every device ("scaled_mm" | "emulated"); None or "auto" undoes it."""
+    global _forced
+    _forced = None if name in (None, "auto") else _check_name(name)
+
+
+def scaled_mm_available(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 on this device type (tried once, then cached)."""
+    device = torch.device(device)
+    if device.type not in _available:
+        ok = hasattr(torch, "_scaled_mm")
+        cap = _device.cuda_capability(device)
+        if ok and device.type == "cuda":
+            ok = cap is not None and cap >= (8, 9)  # FP8 tensor cores start with Ada
+        if ok:
+            try:
+                one = torch.ones((), device=device)
+                a = torch.zeros(16, 16, device=device).to(E4M3.dtype)
+                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _available[device.type] = ok
+    return _available[device.type]
+
+
+def _fits_scaled_mm(a: Float8Tensor, b: Float8Tensor) -> bool:
+    if a.fmt is E5M2 and b.fmt is E5M2:
+        return False
+    if a.data.device.type == "cuda":
+        k, n = a.shape[1], b.shape[0]
+        return k % 16 == 0 and n % 16 == 0
+    return True
+
+
+def _gemm_scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # contiguous() is a no-op for the forward GEMM and an FP8 (1 byte/elem) transpose copy for
+    # the two backward GEMMs, whose operands arrive as transposed views.
+    mat1 = a.data.contiguous()
+    mat2 = b.data.contiguous().t()  # column-major [K, N]
+    return torch._scaled_mm(
+        mat1, mat2, scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype
+    )
+
+
+def _gemm_emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    acc = a.data.float() @ b.data.float().t()
+    return acc.mul_(a.scale_inv * b.scale_inv).to(out_dtype)
+
+
+def fp8_gemm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` with scales applied: a [M, K], b [N, K] -> [M, N] in ``out_dtype``.
+
+    ``backend`` None means the selected one for a's device (see ``select_gemm_backend``).
+    """
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}.T does not fit")
+    backend = _check_name(backend) if backend else select_gemm_backend(a.data.device)
+    if backend == "scaled_mm" and _fits_scaled_mm(a, b):
+        return _gemm_scaled_mm(a, b, out_dtype)
+    return _gemm_emulated(a, b, out_dtype)
+
+
+def _time_ms(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up: kernel selection, allocator
+    _device.synchronize(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _device.synchronize(device)
+        best = min(best, time.perf_counter() - t0)  # min: least disturbed by other load
+    return best * 1e3
+
+
+def measure_gemm_backends(
+    device: torch.device | str, shape: tuple[int, int, int] | None = None, reps: int = 3
+) -> dict[str, float]:
+    """Milliseconds per FP8 GEMM of each available backend for ``shape`` = (M, K, N)."""
+    device = torch.device(device)
+    m, k, n = shape or _AUTO_SHAPE.get(device.type, _AUTO_SHAPE["cpu"])
+    gen = torch.Generator().manual_seed(0)
+    one = torch.ones((), device=device)
+    a = Float8Tensor.quantize(torch.randn(m, k, generator=gen).to(device), E4M3, one)
+    b = Float8Tensor.quantize(torch.randn(n, k, generator=gen).to(device), E4M3, one)
+    out = {"emulated": _time_ms(lambda: _gemm_emulated(a, b, torch.float32), device, reps)}
+    if scaled_mm_available(device) and _fits_scaled_mm(a, b):
+        out["scaled_mm"] = _time_ms(lambda: _gemm_scaled_mm(a, b, torch.float32), device, reps)
+    return out
+
+
+def select_gemm_backend(device: torch.device | str, choice: str | None = "auto") -> str:
+    """The backend ``fp8_gemm`` uses on ``device``.
+
+    An explicit ``choice`` wins; then ``set_gemm_backend``; then the environment variable
+    FP8TRAIN_GEMM_BACKEND; "auto" times both backends once per device type and caches the
+    faster (scaled_mm must win by 10%). Asking for "scaled_mm" where it cannot run is an
+    error, not a silent fallback.
+    """
+    device = torch.device(device)
+    if choice in (None, "auto"):
+        choice = _forced or os.environ.get(ENV_VAR) or "auto"
+    if choice != "auto":
+        if _check_name(choice) == "scaled_mm" and not scaled_mm_available(device):
+            raise RuntimeError(f"FP8 GEMM backend scaled_mm does not run on {device}")
+        return choice
+    if device.type not in _auto_choice:
+        times = measure_gemm_backends(device)
+        fast = times.get("scaled_mm", float("inf")) < _AUTO_MARGIN * times["emulated"]
+        _auto_choice[device.type] = "scaled_mm" if fast else "emulated"
+    return _auto_choice[device.type]

@@ -1,0 +1,167 @@
+"""``Linear``: the one linear layer every model GEMM goes through, FP8-aware.
+
+Without an FP8 recipe it is ``F.linear`` and nothing else. With one, the three GEMMs of a
+linear layer run in FP8 with the "hybrid" formats (DESIGN.md, "FP8 GEMMs"):
+
+    forward      y  = x(E4M3) · W(E4M3)ᵀ          [M,K] x [N,K]ᵀ -> [M,N]
+    input grad   dx = g(E5M2) · W(E4M3)           [M,N] x [N,K]  -> [M,K]
+    weight grad  dW = gᵀ(E5M2) · x(E4M3)          [N,M] x [M,K]  -> [N,K]
+
+E5M2 for the gradient because gradients span a wider range than they need precision. Only the
+FP8 copies of x and W are saved for backward (a quarter of fp32 activation memory). Bias add and
+bias grad stay in fp32.
+
+Scaling state (one ``ScalingState`` per role) lives in persistent buffers, so a checkpoint of
+``model.state_dict()`` resumes with the same scales. The state advances only in training mode:
+evaluation reads the scales but does not change them, so validation never perturbs training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .formats import E4M3, E5M2
+from .gemm import fp8_gemm
+from .precision import PrecisionRecipe
+from .scaling import ScalingRecipe, ScalingState
+from .tensor import Float8Tensor
+
+__all__ = ["Fp8LinearFunction", "Linear"]
+
+ROLES = ("input", "weight", "grad_output")
+
+
+def _quantize(x: torch.Tensor, state: ScalingState, update: bool) -> Float8Tensor:
+    scale = state.scale_for(x.detach().abs().amax(), update=update)
+    return Float8Tensor.quantize(x.detach(), state.fmt, scale)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """``y = x Wᵀ + b`` with all three GEMMs in FP8. x is 2-D [M, K]; W [N, K]; b [N] or None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_state, w_state, g_state, update):
+        x8 = _quantize(x, x_state, update)
+        w8 = _quantize(weight, w_state, update)
+        y = fp8_gemm(x8, w8, out_dtype=torch.float32)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
+        ctx.g_state, ctx.update = g_state, update
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
+        x8, w8 = Float8Tensor(x_data, x_sinv, E4M3), Float8Tensor(w_data, w_sinv, E4M3)
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if need_x or need_w:
+            g8 = _quantize(g, ctx.g_state, ctx.update)
+            if need_x:
+                dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype)  # [M,N]·[N,K]
+            if need_w:
+                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=w_dtype)  # [N,M]·[M,K]
+        if need_b:
+            db = g.float().sum(0).to(b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+class Linear(nn.Module):
+    """Drop-in for ``nn.Linear`` (same parameters, same default init) with an FP8 path.
+
+    recipe: the precision level; FP8 GEMMs when ``recipe.fp8_gemm``, otherwise plain F.linear.
+    scaling: how FP8 scales are chosen (default ``ScalingRecipe()``: delayed, history 16).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: PrecisionRecipe | None = None,
+        scaling: ScalingRecipe | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.recipe = recipe
+        self.fp8 = recipe is not None and recipe.fp8_gemm
+        self.scaling = (scaling or ScalingRecipe()) if self.fp8 else None
+        if self.fp8:
+            self.fp8_input = ScalingState(E4M3, self.scaling, device)
+            self.fp8_weight = ScalingState(E4M3, self.scaling, device)
+            self.fp8_grad_output = ScalingState(E5M2, self.scaling, device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Same calls in the same order as nn.Linear, so a seed gives the same weights.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self.reset_fp8_state()
+
+    def reset_fp8_state(self) -> None:
+        """Fresh scaling state (call after ``to_empty`` when building on the meta device)."""
+        for state in self.fp8_states().values():
+            state.reset()
+
+    def fp8_states(self) -> dict[str, ScalingState]:
+        """Role -> scaling state; empty without FP8."""
+        if not self.fp8:
+            return {}
+        return dict(zip(ROLES, (self.fp8_input, self.fp8_weight, self.fp8_grad_output)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        y = Fp8LinearFunction.apply(
+            x.reshape(-1, self.in_features),
+            self.weight,
+            self.bias,
+            self.fp8_input,
+            self.fp8_weight,
+            self.fp8_grad_output,
+            self.training,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    @torch.no_grad()
+    def fp8_stats(self) -> dict[str, float]:
+        """Latest amax and scale of each role, e.g. {"input_amax": ..., "input_scale": ...}.
+
+        For logging only: one device-to-host copy for all six numbers.
+        """
+        states = self.fp8_states()
+        if not states:
+            return {}
+        values = torch.stack(
+            [t for s in states.values() for t in (s.amax_history[0], s.scale)]
+        ).tolist()
+        keys = [f"{role}_{what}" for role in states for what in ("amax", "scale")]
+        return dict(zip(keys, values))
+
+    def extra_repr(self) -> str:
+        s = f"in_features={self.in_features}, out_features={self.out_features}, "
+        s += f"bias={self.bias is not None}"
+        if self.fp8:
+            r = self.scaling
+            s += f", fp8=E4M3/E5M2 {r.mode}(history={r.amax_history_len}, margin={r.margin})"
+        return s
