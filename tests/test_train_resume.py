@@ -57,6 +57,16 @@ def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     assert meta["config"]["precision"]["level"] == "te"
     assert not list((tmp_path / "checkpoints").glob(".tmp_*"))
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"fp8/layers.0.attention.qkv/input_amax", "fp8/layers.1.mlp.fc2/grad_output_scale",
+            "bytes-per-param/weights"} <= tags
+    amax = [e.value for e in acc.Scalars("fp8/layers.0.attention.qkv/input_amax")]
+    assert len(amax) == 6 and all(a > 0 for a in amax)
+
 
 def test_bf16_bytes_per_param(tiny_data, tmp_path):
     _train(tiny_data, tmp_path, "bf16",

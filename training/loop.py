@@ -331,8 +331,9 @@ def _log(
         for role, value in m["bytes-per-param-by-role"].items():
             scalars[f"bytes-per-param/{role}"] = value
         if state.cfg.logging.log_fp8_stats and state.recipe.fp8_gemm:
-            for name, value in state.model.fp8_stats().items():
-                scalars[f"fp8/{name}"] = value
+            for layer, roles in state.model.fp8_stats().items():
+                for key, value in roles.items():
+                    scalars[f"fp8/{layer}/{key}"] = value
         writer.scalars(iteration, scalars, samples=consumed)
         writer.record(m)
         writer.flush()
