@@ -1,0 +1,216 @@
+"""Tokenizer + indexed dataset for a corpus, built once and cached by content key.
+
+Cache layout (one directory per key, complete or absent)::
+
+    {cache_dir}/{key}/tokenizer.model
+    {cache_dir}/{key}/{name}_text_document.bin
+    {cache_dir}/{key}/{name}_text_document.idx
+    {cache_dir}/{key}/prepared.json          # the PreparedData fields, written last
+
+``key`` hashes the corpus fingerprint (relative paths + sizes + Python version), the vocab
+size, the seed, the tokenizer trainer options and :data:`FORMAT_VERSION`. A build happens in
+``{cache_dir}/.tmp-{key}-*`` and is renamed into place in one ``os.rename``, so a crash never
+leaves a half-written ``{key}`` directory. No torch.distributed here: the caller makes one
+rank build and the others wait, then call again (a cache hit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.corpus import corpus_fingerprint, iter_texts, stdlib_documents, stdlib_root
+from data.indexed import check_prefix, dataset_prefix, read_index_stats, write_indexed_dataset
+from data.tokenizer import (
+    DEFAULT_MAX_SENTENCES,
+    TRAINER_OPTIONS,
+    SentencePieceTokenizer,
+    train_sentencepiece,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PreparedData",
+    "cache_key",
+    "prepare_corpus_data",
+    "prepare_default_data",
+    "prepare_data_from_prefix",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bump when the on-disk layout or the tokenisation pipeline changes meaning.
+FORMAT_VERSION = 1
+_META = "prepared.json"
+_ENCODE_CHUNK = 64  # documents per SentencePiece batch call: bounded memory, threaded encode
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Everything the training loop needs to open the data."""
+
+    tokenizer_model: str
+    data_prefix: str  # e.g. ".../stdlib_text_document" (no .bin/.idx suffix)
+    vocab_size: int
+    key: str  # the json key / dataset key, "text"
+    num_documents: int
+    num_tokens: int
+
+
+def cache_key(fingerprint: str, vocab_size: int, seed: int, name: str,
+              max_sentences: int = DEFAULT_MAX_SENTENCES) -> str:
+    """Hex key of every input that changes the built files."""
+    payload = json.dumps(
+        {
+            "format_version": FORMAT_VERSION,
+            "corpus": fingerprint,
+            "name": name,
+            "vocab_size": int(vocab_size),
+            "seed": int(seed),
+            "max_sentences": int(max_sentences),
+            "trainer_options": TRAINER_OPTIONS,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def _load_cached(final_dir: Path) -> PreparedData | None:
+    meta = final_dir / _META
+    if not meta.is_file():
+        return None
+    fields = json.loads(meta.read_text())
+    # Paths are stored relative so a cache directory can be moved or shared across mounts.
+    fields["tokenizer_model"] = str(final_dir / fields["tokenizer_model"])
+    fields["data_prefix"] = str(final_dir / fields["data_prefix"])
+    return PreparedData(**fields)
+
+
+def _fsync_files(directory: Path) -> None:
+    # Data reaches the disk before the rename publishes it: after a power cut the key
+    # directory is either absent or complete, never present with empty files.
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _build(tmp: Path, documents: Sequence[Path], vocab_size: int, seed: int, name: str,
+           max_sentences: int) -> dict[str, object]:
+    model = train_sentencepiece(documents, tmp / "tokenizer", vocab_size, seed=seed,
+                                max_sentences=max_sentences)
+    tokenizer = SentencePieceTokenizer(model)
+
+    def encoded():
+        chunk: list[str] = []
+        for text in iter_texts(documents):
+            chunk.append(text)
+            if len(chunk) == _ENCODE_CHUNK:
+                yield from (ids + [tokenizer.eod] for ids in tokenizer.encode_batch(chunk))
+                chunk = []
+        if chunk:
+            yield from (ids + [tokenizer.eod] for ids in tokenizer.encode_batch(chunk))
+
+    prefix = dataset_prefix(tmp / name, "text")
+    stats = write_indexed_dataset(prefix, encoded(), tokenizer.vocab_size)
+    return {
+        "tokenizer_model": model.name,
+        "data_prefix": Path(prefix).name,
+        "vocab_size": tokenizer.vocab_size,
+        "key": "text",
+        "num_documents": stats.num_documents,
+        "num_tokens": stats.num_tokens,
+    }
+
+
+def prepare_corpus_data(
+    cache_dir: str | os.PathLike[str],
+    documents: Sequence[str | os.PathLike[str]],
+    vocab_size: int,
+    seed: int = 1234,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    name: str = "corpus",
+    max_sentences: int = DEFAULT_MAX_SENTENCES,
+) -> PreparedData:
+    """Train a tokenizer on ``documents`` and write them as ``{name}_text_document``; cached.
+
+    ``root`` only makes the fingerprint use relative paths (so caches survive a moved
+    checkout). A cache hit costs one ``stat`` per document and a small JSON read.
+    """
+    paths = [Path(p) for p in documents]
+    if not paths:
+        raise ValueError("no documents to prepare")
+    key = cache_key(corpus_fingerprint(paths, root), vocab_size, seed, name, max_sentences)
+    base = Path(cache_dir)
+    final_dir = base / key
+    cached = _load_cached(final_dir)
+    if cached is not None:
+        return cached
+
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
+    try:
+        fields = _build(tmp, paths, vocab_size, seed, name, max_sentences)
+        (tmp / _META).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        _fsync_files(tmp)
+        try:
+            os.rename(tmp, final_dir)
+        except OSError:
+            # Another process finished the same key first: its result is identical, use it.
+            if _load_cached(final_dir) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("prepared %s (%d documents, %d tokens) in %s",
+                name, fields["num_documents"], fields["num_tokens"], final_dir)
+    result = _load_cached(final_dir)
+    assert result is not None
+    return result
+
+
+def prepare_default_data(cache_dir: str | os.PathLike[str], vocab_size: int,
+                         seed: int = 1234) -> PreparedData:
+    """The Python stdlib corpus (data/corpus.py) tokenised with a freshly trained BPE model."""
+    root = stdlib_root()
+    return prepare_corpus_data(cache_dir, stdlib_documents(root), vocab_size, seed,
+                               root=root, name="stdlib")
+
+
+def prepare_data_from_prefix(data_prefix: str | os.PathLike[str],
+                             tokenizer_model: str | os.PathLike[str]) -> PreparedData:
+    """Validate a user-given ``{prefix}.bin/.idx`` + SentencePiece model and describe them.
+
+    Raises FileNotFoundError naming the missing file, or ValueError when the token dtype of
+    the index cannot hold the tokenizer's ids.
+    """
+    prefix = os.fspath(data_prefix)
+    if not os.path.isfile(tokenizer_model):
+        raise FileNotFoundError(f"tokenizer model not found: {os.fspath(tokenizer_model)!r}")
+    check_prefix(prefix)
+    stats = read_index_stats(prefix)
+    vocab_size = SentencePieceTokenizer(tokenizer_model).vocab_size
+    if stats.dtype.kind in "ui" and vocab_size - 1 > np.iinfo(stats.dtype).max:
+        raise ValueError(f"{prefix}.idx stores {stats.dtype.name} tokens but the tokenizer "
+                         f"has {vocab_size} ids")
+    stem = Path(prefix).name
+    key = stem.rsplit("_", 2)[-2] if stem.endswith("_document") and stem.count("_") >= 2 else "text"
+    return PreparedData(
+        tokenizer_model=os.fspath(tokenizer_model),
+        data_prefix=prefix,
+        vocab_size=vocab_size,
+        key=key,
+        num_documents=stats.num_documents,
+        num_tokens=stats.num_tokens,
+    )

@@ -1,0 +1,104 @@
+"""Train the tiny GPT at several precision levels side by side and compare their losses.
+
+    .venv/bin/python tools/bench_levels.py --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
+
+Each level runs the real entry point through torchrun (same seed, same data, same config but
+``precision.level``), one after the other on the same machine, so the timing ratios are
+measured in one sitting. Prints a markdown table; ``--write`` also puts it into the benchmarks
+document between markers, with the date and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bench_levels:begin -->", "<!-- bench_levels:end -->"
+
+
+def run_level(level: str, iters: int, nproc: int, config: str, out: Path, extra: list[str]):
+    run_dir = out / level
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", config,
+           f"precision.level={level}", f"training.train_iters={iters}",
+           f"logging.dir={run_dir}", "checkpoint.resume=false", "checkpoint.save_interval=0",
+           *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"level {level} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "lm loss" in r]
+    valid = [r["lm loss validation"] for r in records if "lm loss validation" in r]
+    times = [r["iteration-time"] for r in train[1:]]  # the first interval includes warm-up
+    return {
+        "level": level,
+        "first": train[0]["lm loss"],
+        "final": train[-1]["lm loss"],
+        "valid": valid[-1] if valid else float("nan"),
+        "step_s": sum(times) / len(times),
+        "bpp": train[-1]["bytes-per-param"],
+    }
+
+
+def table(rows: list[dict], reference: str) -> str:
+    ref = next(r for r in rows if r["level"] == reference)
+    lines = [
+        f"| level | first logged loss | final train loss | final valid loss | valid vs {reference} "
+        f"| s/step | time vs {reference} | model-state bytes/param |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rel = (r["valid"] - ref["valid"]) / ref["valid"] * 100
+        lines.append(
+            f"| {r['level']} | {r['first']:.4f} | {r['final']:.4f} | {r['valid']:.4f} | "
+            f"{rel:+.2f}% | {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x | "
+            f"{r['bpp']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, body: str) -> None:
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n{body}\n{END}"
+    if BEGIN in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        text = text[:start] + block + text[end:]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", nargs="+", default=["bf16", "te"])
+    parser.add_argument("--reference", default="bf16")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--config", default="configs/gpt_tiny.yaml")
+    parser.add_argument("--out", default="runs/bench_levels")
+    parser.add_argument("--write", help="markdown file to put the table into")
+    parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
+    args = parser.parse_args()
+    rows = [run_level(lv, args.iters, args.nproc, args.config, REPO / args.out, args.overrides)
+            for lv in args.levels]
+    result = table(rows, args.reference)
+    print(result)
+    if args.write:
+        command = " ".join(["python tools/bench_levels.py", *sys.argv[1:]])
+        body = (f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores "
+                f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "
+                f"`{args.config}`).\n\n{result}")
+        write_section(REPO / args.write, body)
+
+
+if __name__ == "__main__":
+    main()
