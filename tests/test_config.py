@@ -153,7 +153,7 @@ BAD = [
     ("model:\n  hidden_size: 250\n", [], "model.hidden_size (250) must be divisible by model.num"),
     ("model:\n  num_query_groups: 3\n", [], "model.num_attention_heads (4) must be divisible"),
     ("model:\n  max_position_embeddings: 128\n", [], "model.max_position_embeddings (128)"),
-    ("training:\n  global_batch_size: 20\n", [], "training.global_batch_size (20) must be"),
+    ("training:\n  global_batch_size: 10\n", [], "training.global_batch_size (10) must be"),
     ("parallel:\n  sequence_parallel: true\n", [], "parallel.sequence_parallel requires"),
     ("parallel:\n  tensor: 3\n", [], "model.num_attention_heads (4) must be divisible by paral"),
     ("parallel:\n  pipeline: 3\n", [], "model.num_layers (4) must be divisible by parallel.pip"),

@@ -275,9 +275,9 @@ class TrainingConfig(_Section):
     SECTION: ClassVar[str] = "training"
 
     train_iters: int = _f(300, "Optimizer steps to train for.", ge=1)
-    micro_batch_size: int = _f(8, "Samples per forward/backward on one data-parallel rank.", ge=1)
+    micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", ge=1)
     global_batch_size: int = _f(
-        16,
+        8,
         "Samples per optimizer step over all data-parallel ranks (sets grad accumulation).",
         ge=1,
     )

@@ -52,11 +52,12 @@ def peak_tflops_for(device_name: str, gemm: str) -> float | None:
     return None
 
 
-def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 5) -> float:
+def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 10) -> float:
     """A measured fp32 matmul rate on this process's CPU threads: the denominator of CPU 'MFU'.
 
     There is no vendor peak for an arbitrary CPU, so we report utilisation against what a large
-    plain GEMM achieves here, and label it as measured.
+    plain GEMM achieves here, and label it as measured. The best of several runs, because a
+    busy machine only ever makes a run slower and an underestimated peak inflates MFU.
     """
     a = torch.randn(size, size)
     b = torch.randn(size, size)
