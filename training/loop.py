@@ -319,8 +319,8 @@ def _log(
         m["lm loss validation"] = valid
         m["lm loss validation ppl"] = math.exp(min(valid, 20.0))
     mem = devices.memory_stats(state.device)
-    for key, value in mem.items():
-        m[f"mem-{key}"] = value
+    for key, value in mem.items():  # Megatron's names: mem-allocated-bytes, ...
+        m[f"mem-{key.replace('_', '-')}-bytes"] = value
     if logs:
         print(format_console_line(iteration, state.cfg.training.train_iters, m), flush=True)
         if valid is not None:
