@@ -96,8 +96,9 @@ def corpus_fingerprint(
     """
     base = Path(root) if root is not None else stdlib_root()
     digest = hashlib.sha256()
-    digest.update(f"python={sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}\n"
-                  .encode())
+    digest.update(
+        f"python={sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2]}\n".encode()
+    )
     for raw in paths:
         path = Path(raw)
         try:

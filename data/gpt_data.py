@@ -31,8 +31,12 @@ import numpy as np
 
 from data.indexed import check_prefix, import_megatron, read_index_stats
 
-__all__ = ["ensure_helpers", "build_sample_idx_numpy", "split_document_ranges",
-           "build_gpt_datasets"]
+__all__ = [
+    "ensure_helpers",
+    "build_sample_idx_numpy",
+    "split_document_ranges",
+    "build_gpt_datasets",
+]
 
 _HELPERS = "megatron.core.datasets.helpers_cpp"
 
@@ -111,8 +115,12 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
         if bookend is None:
             ranges.append(None)
         else:
-            ranges.append((int(round(bookend[0] * float(num_documents))),
-                           int(round(bookend[1] * float(num_documents)))))
+            ranges.append(
+                (
+                    int(round(bookend[0] * float(num_documents))),
+                    int(round(bookend[1] * float(num_documents))),
+                )
+            )
     return ranges
 
 
@@ -156,12 +164,17 @@ def build_gpt_datasets(
     builder_mod = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
     num_documents = read_index_stats(prefix).num_documents
     ranges = split_document_ranges(split, num_documents)
-    for name, rng, wanted in (("train", ranges[0], train_samples),
-                              ("valid", ranges[1], valid_samples), ("test", ranges[2], 0)):
+    for name, rng, wanted in (
+        ("train", ranges[0], train_samples),
+        ("valid", ranges[1], valid_samples),
+        ("test", ranges[2], 0),
+    ):
         # megatron-core fails obscurely on a split part that exists but holds no document.
         if (rng is None and wanted) or (rng is not None and rng[1] <= rng[0]):
-            raise ValueError(f"split {split!r} gives the {name} set no documents "
-                             f"(the dataset has {num_documents})")
+            raise ValueError(
+                f"split {split!r} gives the {name} set no documents "
+                f"(the dataset has {num_documents})"
+            )
 
     path_to_cache = Path(cache_dir) / _index_fingerprint(prefix)
     config = gpt.GPTDatasetConfig(
@@ -178,9 +191,7 @@ def build_gpt_datasets(
         mmap_bin_files=True,
     )
     sizes = [int(train_samples), int(valid_samples), 0]
-    builder = builder_mod.BlendedMegatronDatasetBuilder(
-        gpt.GPTDataset, sizes, lambda: True, config
-    )
+    builder = builder_mod.BlendedMegatronDatasetBuilder(gpt.GPTDataset, sizes, lambda: True, config)
     train_ds, valid_ds, _ = builder.build()
     if ranges[1] is None:
         valid_ds = None

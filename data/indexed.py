@@ -31,8 +31,16 @@ __all__ = [
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 # megatron.core.datasets.indexed_dataset.DType, duplicated so reading counts needs no import.
-_DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                6: np.float64, 7: np.float32, 8: np.uint16}
+_DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def _dtype_from_code(idx_path: str, code: int) -> np.dtype:

@@ -66,8 +66,13 @@ class PreparedData:
     num_tokens: int
 
 
-def cache_key(fingerprint: str, vocab_size: int, seed: int, name: str,
-              max_sentences: int = DEFAULT_MAX_SENTENCES) -> str:
+def cache_key(
+    fingerprint: str,
+    vocab_size: int,
+    seed: int,
+    name: str,
+    max_sentences: int = DEFAULT_MAX_SENTENCES,
+) -> str:
     """Hex key of every input that changes the built files."""
     payload = json.dumps(
         {
@@ -103,10 +108,12 @@ def _fsync_files(directory: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _build(tmp: Path, documents: Sequence[Path], vocab_size: int, seed: int, name: str,
-           max_sentences: int) -> dict[str, object]:
-    model = train_sentencepiece(documents, tmp / "tokenizer", vocab_size, seed=seed,
-                                max_sentences=max_sentences)
+def _build(
+    tmp: Path, documents: Sequence[Path], vocab_size: int, seed: int, name: str, max_sentences: int
+) -> dict[str, object]:
+    model = train_sentencepiece(
+        documents, tmp / "tokenizer", vocab_size, seed=seed, max_sentences=max_sentences
+    )
     tokenizer = SentencePieceTokenizer(model)
 
     def encoded():
@@ -173,23 +180,31 @@ def prepare_corpus_data(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("prepared %s (%d documents, %d tokens) in %s",
-                name, fields["num_documents"], fields["num_tokens"], final_dir)
+    logger.info(
+        "prepared %s (%d documents, %d tokens) in %s",
+        name,
+        fields["num_documents"],
+        fields["num_tokens"],
+        final_dir,
+    )
     result = _load_cached(final_dir)
     assert result is not None
     return result
 
 
-def prepare_default_data(cache_dir: str | os.PathLike[str], vocab_size: int,
-                         seed: int = 1234) -> PreparedData:
+def prepare_default_data(
+    cache_dir: str | os.PathLike[str], vocab_size: int, seed: int = 1234
+) -> PreparedData:
     """The Python stdlib corpus (data/corpus.py) tokenised with a freshly trained BPE model."""
     root = stdlib_root()
-    return prepare_corpus_data(cache_dir, stdlib_documents(root), vocab_size, seed,
-                               root=root, name="stdlib")
+    return prepare_corpus_data(
+        cache_dir, stdlib_documents(root), vocab_size, seed, root=root, name="stdlib"
+    )
 
 
-def prepare_data_from_prefix(data_prefix: str | os.PathLike[str],
-                             tokenizer_model: str | os.PathLike[str]) -> PreparedData:
+def prepare_data_from_prefix(
+    data_prefix: str | os.PathLike[str], tokenizer_model: str | os.PathLike[str]
+) -> PreparedData:
     """Validate a user-given ``{prefix}.bin/.idx`` + SentencePiece model and describe them.
 
     Raises FileNotFoundError naming the missing file, or ValueError when the token dtype of
@@ -202,8 +217,9 @@ def prepare_data_from_prefix(data_prefix: str | os.PathLike[str],
     stats = read_index_stats(prefix)
     vocab_size = SentencePieceTokenizer(tokenizer_model).vocab_size
     if stats.dtype.kind in "ui" and vocab_size - 1 > np.iinfo(stats.dtype).max:
-        raise ValueError(f"{prefix}.idx stores {stats.dtype.name} tokens but the tokenizer "
-                         f"has {vocab_size} ids")
+        raise ValueError(
+            f"{prefix}.idx stores {stats.dtype.name} tokens but the tokenizer has {vocab_size} ids"
+        )
     stem = Path(prefix).name
     key = stem.rsplit("_", 2)[-2] if stem.endswith("_document") and stem.count("_") >= 2 else "text"
     return PreparedData(

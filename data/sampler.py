@@ -26,8 +26,14 @@ class MicroBatchSampler:
     number of batches and all ranks stay in lock-step.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
         if total_samples <= 0:
             raise ValueError(f"no samples to draw from (total_samples={total_samples})")
         if micro_batch_size <= 0:
@@ -35,8 +41,9 @@ class MicroBatchSampler:
         if dp_size <= 0 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} is outside "
-                             f"[0, total_samples={total_samples}]")
+            raise ValueError(
+                f"consumed_samples {consumed_samples} is outside [0, total_samples={total_samples}]"
+            )
         self.total_samples = int(total_samples)
         self.consumed_samples = int(consumed_samples)
         self.micro_batch_size = int(micro_batch_size)
@@ -59,9 +66,14 @@ def collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     return {name: torch.stack([item[name] for item in items]) for name in items[0]}
 
 
-def micro_batches(dataset: Any, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int, total_samples: int | None = None,
-                  ) -> Iterator[dict[str, torch.Tensor]]:
+def micro_batches(
+    dataset: Any,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    total_samples: int | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches for this rank starting after ``consumed_samples``.
 
     Each batch is ``{"tokens": int64 [b,s], "labels": int64 [b,s], "loss_mask": float32 [b,s],

@@ -119,8 +119,9 @@ def train_sentencepiece(
         )
     except RuntimeError as err:  # e.g. vocab smaller than the characters the text needs
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"sentencepiece training failed (vocab_size={vocab_size}): "
-                         f"{first}") from err
+        raise ValueError(
+            f"sentencepiece training failed (vocab_size={vocab_size}): {first}"
+        ) from err
     model_path.write_bytes(proto.getvalue())
     return model_path
 
@@ -193,8 +194,11 @@ class SentencePieceTokenizer:
 
     # Picklable (e.g. for DataLoader worker processes): rebuild the processor from the bytes.
     def __getstate__(self) -> dict[str, object]:
-        return {"model_path": self.model_path, "blob": self._sp.serialized_model_proto(),
-                "unique_identifiers": self.unique_identifiers}
+        return {
+            "model_path": self.model_path,
+            "blob": self._sp.serialized_model_proto(),
+            "unique_identifiers": self.unique_identifiers,
+        }
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.model_path = state["model_path"]

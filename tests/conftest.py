@@ -22,8 +22,7 @@ def tiny_data(tmp_path_factory):
     from data.prepare import prepare_corpus_data
 
     cache = tmp_path_factory.mktemp("data_cache")
-    return prepare_corpus_data(cache, stdlib_documents()[:40], 512, root=stdlib_root(),
-                               name="tiny")
+    return prepare_corpus_data(cache, stdlib_documents()[:40], 512, root=stdlib_root(), name="tiny")
 
 
 def tiny_overrides(data, run_dir, level="te", **extra) -> list[str]:

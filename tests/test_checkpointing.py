@@ -18,11 +18,15 @@ from training.checkpointing import (
 def _save(root, iteration, keep_last=2):
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3) + iteration
     return save_checkpoint(
-        root, iteration,
+        root,
+        iteration,
         model_state={"w": weight, "tied": weight},  # shared storage, as tied embeddings are
         optimizer_state={"state.0.exp_avg": torch.ones(3)},
         metadata={"consumed_samples": iteration * 4},
-        device=torch.device("cpu"), rank=0, writes_replicated=True, keep_last=keep_last,
+        device=torch.device("cpu"),
+        rank=0,
+        writes_replicated=True,
+        keep_last=keep_last,
     )
 
 

@@ -37,8 +37,9 @@ def corpus(tmp_path_factory):
 
 
 def _build(corpus, cache, seed=1234, split="90,10,0", train=300, valid=30):
-    return build_gpt_datasets(corpus["prefix"], corpus["tok"], SEQ, seed, split, train, valid,
-                              corpus["root"] / cache)
+    return build_gpt_datasets(
+        corpus["prefix"], corpus["tok"], SEQ, seed, split, train, valid, corpus["root"] / cache
+    )
 
 
 def _tokens(ds, n):
@@ -79,8 +80,10 @@ def test_train_and_valid_documents_are_disjoint(corpus):
     n = len(corpus["docs"])
     (tb, te), (vb, ve), test = split_document_ranges("90,10,0", n)
     assert (tb, te, vb, ve, test) == (0, 36, 36, 40, None)
-    train_docs, valid_docs = set(np.asarray(train.document_index)), set(
-        np.asarray(valid.document_index))
+    train_docs, valid_docs = (
+        set(np.asarray(train.document_index)),
+        set(np.asarray(valid.document_index)),
+    )
     assert train_docs == set(range(tb, te)) and valid_docs == set(range(vb, ve))
     # Every sample (shuffle -> sample index -> document rows) stays inside its own split.
     for ds, docs in ((train, train_docs), (valid, valid_docs)):
@@ -161,8 +164,9 @@ def test_micro_batches_resume_exactly(corpus):
                 assert all(torch.equal(x[key], y[key]) for key in x)
     r0 = next(micro_batches(train, 0, mbs, 0, dp))
     r1 = next(micro_batches(train, 0, mbs, 1, dp))
-    assert torch.equal(r0["tokens"], _tokens(train, 2)) and not torch.equal(r0["tokens"],
-                                                                             r1["tokens"])
+    assert torch.equal(r0["tokens"], _tokens(train, 2)) and not torch.equal(
+        r0["tokens"], r1["tokens"]
+    )
 
 
 def _rank_main(rank, store, prefix, model, cache, out):
@@ -170,8 +174,9 @@ def _rank_main(rank, store, prefix, model, cache, out):
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        train, _ = build_gpt_datasets(prefix, SentencePieceTokenizer(model), SEQ, 5, "90,10,0",
-                                      100, 10, cache)
+        train, _ = build_gpt_datasets(
+            prefix, SentencePieceTokenizer(model), SEQ, 5, "90,10,0", 100, 10, cache
+        )
         np.save(out, _tokens(train, 20).numpy())
         dist.barrier()
     finally:
@@ -185,11 +190,20 @@ def test_two_ranks_with_torch_distributed_agree(corpus, tmp_path):
     imports per rank, ~20 s when two compete for 2 cores).
     """
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), corpus["prefix"],
-                                                  str(corpus["tok"].model_path),
-                                                  str(tmp_path / "cache"),
-                                                  str(tmp_path / f"r{r}.npy")))
-             for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(
+                r,
+                str(tmp_path / "store"),
+                corpus["prefix"],
+                str(corpus["tok"].model_path),
+                str(tmp_path / "cache"),
+                str(tmp_path / f"r{r}.npy"),
+            ),
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -197,7 +211,8 @@ def test_two_ranks_with_torch_distributed_agree(corpus, tmp_path):
         assert p.exitcode == 0, f"rank process exit code {p.exitcode}"
     a, b = np.load(tmp_path / "r0.npy"), np.load(tmp_path / "r1.npy")
     assert np.array_equal(a, b)
-    ref, _ = build_gpt_datasets(corpus["prefix"], corpus["tok"], SEQ, 5, "90,10,0", 100, 10,
-                                tmp_path / "single")
+    ref, _ = build_gpt_datasets(
+        corpus["prefix"], corpus["tok"], SEQ, 5, "90,10,0", 100, 10, tmp_path / "single"
+    )
     assert np.array_equal(a, _tokens(ref, 20).numpy())  # same as without torch.distributed
     assert len(list((tmp_path / "cache").rglob("*-GPTDataset-train-shuffle_index.npy"))) == 1

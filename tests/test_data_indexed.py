@@ -49,8 +49,9 @@ def test_idx_header_and_bin_bytes(tmp_path, vocab, code, itemsize):
     stats = write_indexed_dataset(prefix, docs, vocab)
     assert (stats.num_documents, stats.num_tokens) == (len(docs), sum(map(len, docs)))
 
-    version, got_code, lengths, pointers, doc_idx = _parse_idx(tmp_path / "out" /
-                                                               "corpus_text_document.idx")
+    version, got_code, lengths, pointers, doc_idx = _parse_idx(
+        tmp_path / "out" / "corpus_text_document.idx"
+    )
     assert version == 1 and got_code == code
     assert lengths.tolist() == [len(d) for d in docs]
     assert pointers.tolist() == (np.cumsum([0] + [len(d) for d in docs[:-1]]) * itemsize).tolist()
@@ -73,7 +74,10 @@ def test_round_trip_through_megatron_indexed_dataset(tmp_path):
     assert ds.document_indices.tolist() == list(range(len(docs) + 1))
     stats = read_index_stats(prefix)
     assert (stats.num_documents, stats.num_tokens, stats.dtype) == (
-        20, sum(map(len, docs)), np.dtype(np.uint16))
+        20,
+        sum(map(len, docs)),
+        np.dtype(np.uint16),
+    )
 
 
 def test_token_dtype_follows_megatron_rule():

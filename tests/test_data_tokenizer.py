@@ -15,8 +15,18 @@ VOCAB = 1000
 
 def _small_corpus():
     # A fixed handful of real stdlib modules: enough text for a 1000-piece BPE in ~0.2 s.
-    wanted = {"textwrap.py", "json/decoder.py", "json/encoder.py", "string.py", "bisect.py",
-              "heapq.py", "shlex.py", "fnmatch.py", "colorsys.py", "keyword.py"}
+    wanted = {
+        "textwrap.py",
+        "json/decoder.py",
+        "json/encoder.py",
+        "string.py",
+        "bisect.py",
+        "heapq.py",
+        "shlex.py",
+        "fnmatch.py",
+        "colorsys.py",
+        "keyword.py",
+    }
     root = stdlib_root()
     docs = [p for p in stdlib_documents() if p.relative_to(root).as_posix() in wanted]
     assert len(docs) == len(wanted)
@@ -25,8 +35,7 @@ def _small_corpus():
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return train_sentencepiece(_small_corpus(), tmp_path_factory.mktemp("tok") / "m", VOCAB,
-                               seed=7)
+    return train_sentencepiece(_small_corpus(), tmp_path_factory.mktemp("tok") / "m", VOCAB, seed=7)
 
 
 @pytest.fixture(scope="module")

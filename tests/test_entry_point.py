@@ -22,8 +22,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 def _run(args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _records(run_dir):
@@ -32,18 +31,33 @@ def _records(run_dir):
 
 def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     two = tmp_path / "two"
-    overrides = tiny_overrides(tiny_data, two, "fp32", **{"training.micro_batch_size": 1,
-                                                         "training.global_batch_size": 2})
-    cmd = TORCHRUN + ["--nproc_per_node", "2", "pretrain_gpt.py", "--config",
-                      "configs/gpt_tiny.yaml", *overrides]
+    overrides = tiny_overrides(
+        tiny_data, two, "fp32", **{"training.micro_batch_size": 1, "training.global_batch_size": 2}
+    )
+    cmd = TORCHRUN + [
+        "--nproc_per_node",
+        "2",
+        "pretrain_gpt.py",
+        "--config",
+        "configs/gpt_tiny.yaml",
+        *overrides,
+    ]
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2 (tp 1 pp 1 dp 2)" in proc.stdout
 
     one = tmp_path / "one"
-    pretrain(load_config(str(REPO / "configs/gpt_tiny.yaml"),
-                         tiny_overrides(tiny_data, one, "fp32", **{
-                             "training.micro_batch_size": 1, "training.global_batch_size": 2})))
+    pretrain(
+        load_config(
+            str(REPO / "configs/gpt_tiny.yaml"),
+            tiny_overrides(
+                tiny_data,
+                one,
+                "fp32",
+                **{"training.micro_batch_size": 1, "training.global_batch_size": 2},
+            ),
+        )
+    )
     two_losses = [r["lm loss"] for r in _records(two)]
     one_losses = [r["lm loss"] for r in _records(one)]
     assert len(two_losses) == 6
@@ -57,9 +71,19 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     acc = EventAccumulator(str(events[0]))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size",
-                "iteration-time", "throughput", "mfu", "lm loss validation",
-                "lm loss validation ppl", "lm loss vs samples"):
+    for tag in (
+        "lm loss",
+        "learning-rate",
+        "loss-scale",
+        "grad-norm",
+        "batch-size",
+        "iteration-time",
+        "throughput",
+        "mfu",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "lm loss vs samples",
+    ):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3, 4, 5, 6]
 
@@ -81,8 +105,17 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, needle):
     run_dir = tmp_path / "run"
-    proc = _run([sys.executable, "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml",
-                 f"logging.dir={run_dir}", override], timeout=120)
+    proc = _run(
+        [
+            sys.executable,
+            "pretrain_gpt.py",
+            "--config",
+            "configs/gpt_tiny.yaml",
+            f"logging.dir={run_dir}",
+            override,
+        ],
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines

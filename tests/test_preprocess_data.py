@@ -23,12 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _docs(n=12):
-    return stdlib_documents()[200:200 + n]
+    return stdlib_documents()[200 : 200 + n]
 
 
 def _prep(cache, vocab=600, **kw):
-    return prepare_corpus_data(cache, _docs(), vocab, seed=3, root=stdlib_root(), name="mini",
-                               **kw)
+    return prepare_corpus_data(cache, _docs(), vocab, seed=3, root=stdlib_root(), name="mini", **kw)
 
 
 def test_prepare_builds_decodable_dataset(tmp_path):
@@ -107,11 +106,24 @@ def _jsonl(path, records):
 
 def test_cli_jsonl_trains_tokenizer_and_round_trips(tmp_path, capsys):
     texts = [p.read_text(encoding="utf-8") for p in _docs(6)]
-    src = _jsonl(tmp_path / "in.jsonl", [{"text": t, "title": f"doc {i}"}
-                                         for i, t in enumerate(texts)])
+    src = _jsonl(
+        tmp_path / "in.jsonl", [{"text": t, "title": f"doc {i}"} for i, t in enumerate(texts)]
+    )
     out = tmp_path / "out" / "corpus"
-    assert _run("--input", src, "--json-keys", "text", "title", "--vocab-size", 500,
-                "--output-prefix", out) == 0
+    assert (
+        _run(
+            "--input",
+            src,
+            "--json-keys",
+            "text",
+            "title",
+            "--vocab-size",
+            500,
+            "--output-prefix",
+            out,
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "corpus_text_document" in printed and "corpus_title_document" in printed
     tok = SentencePieceTokenizer(f"{out}_tokenizer.model")
@@ -131,8 +143,20 @@ def test_cli_directory_with_existing_tokenizer(tmp_path, capsys):
     (src / "d0" / "notes.txt").write_text("ignored by --pattern\n")
     (src / "empty.py").write_text("")
     out = tmp_path / "o"
-    assert _run("--input", src, "--pattern", "*.py", "--tokenizer-model", got.tokenizer_model,
-                "--output-prefix", out, "--no-append-eod") == 0
+    assert (
+        _run(
+            "--input",
+            src,
+            "--pattern",
+            "*.py",
+            "--tokenizer-model",
+            got.tokenizer_model,
+            "--output-prefix",
+            out,
+            "--no-append-eod",
+        )
+        == 0
+    )
     assert "1 empty skipped" in capsys.readouterr().out
     ds = read_indexed_dataset(f"{out}_text_document")
     tok = SentencePieceTokenizer(got.tokenizer_model)
@@ -140,18 +164,36 @@ def test_cli_directory_with_existing_tokenizer(tmp_path, capsys):
     assert tok.decode(ds[2]) == _docs(4)[2].read_text(encoding="utf-8")  # no EOD appended
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--input", "{tmp}/missing.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
-     "does not exist"),
-    (["--input", "{tmp}/bad.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
-     "bad.jsonl:2: invalid JSON"),
-    (["--input", "{tmp}/nokey.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
-     "nokey.jsonl:1: no key 'text'"),
-    (["--input", "{tmp}/good.jsonl", "--output-prefix", "{tmp}/o"], "--tokenizer-model"),
-    (["--input", "{tmp}/good.jsonl", "--tokenizer-model", "{tmp}/x.model",
-      "--output-prefix", "{tmp}/o"], "x.model' does not exist"),
-    (["--input", "{tmp}/good.jsonl", "--vocab-size", "500"], "--output-prefix is required"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--input", "{tmp}/missing.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
+            "does not exist",
+        ),
+        (
+            ["--input", "{tmp}/bad.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
+            "bad.jsonl:2: invalid JSON",
+        ),
+        (
+            ["--input", "{tmp}/nokey.jsonl", "--vocab-size", "500", "--output-prefix", "{tmp}/o"],
+            "nokey.jsonl:1: no key 'text'",
+        ),
+        (["--input", "{tmp}/good.jsonl", "--output-prefix", "{tmp}/o"], "--tokenizer-model"),
+        (
+            [
+                "--input",
+                "{tmp}/good.jsonl",
+                "--tokenizer-model",
+                "{tmp}/x.model",
+                "--output-prefix",
+                "{tmp}/o",
+            ],
+            "x.model' does not exist",
+        ),
+        (["--input", "{tmp}/good.jsonl", "--vocab-size", "500"], "--output-prefix is required"),
+    ],
+)
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, message):
     _jsonl(tmp_path / "good.jsonl", [{"text": "x = 1\n"}])
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
@@ -164,11 +206,22 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, message):
 
 
 def test_cli_runs_as_a_script_from_a_fresh_process(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"),
-                           "--input", str(tmp_path / "none.jsonl"), "--vocab-size", "500",
-                           "--output-prefix", str(tmp_path / "o")],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": ""})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "preprocess_data.py"),
+            "--input",
+            str(tmp_path / "none.jsonl"),
+            "--vocab-size",
+            "500",
+            "--output-prefix",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().endswith("does not exist")
 

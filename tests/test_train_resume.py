@@ -22,8 +22,9 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _train(data, run_dir, level, **extra):
-    cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(data, run_dir, level,
-                                                                           **extra))
+    cfg = load_config(
+        str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(data, run_dir, level, **extra)
+    )
     return pretrain(cfg)
 
 
@@ -42,8 +43,17 @@ def test_resume_gives_identical_losses(tiny_data, tmp_path, level):
 def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     summary = _train(tiny_data, tmp_path, "te")
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    required = {"iteration", "lm loss", "learning-rate", "grad-norm", "loss-scale",
-                "iteration-time", "throughput", "mfu", "bytes-per-param"}
+    required = {
+        "iteration",
+        "lm loss",
+        "learning-rate",
+        "grad-norm",
+        "loss-scale",
+        "iteration-time",
+        "throughput",
+        "mfu",
+        "bytes-per-param",
+    }
     assert all(required <= set(r) for r in records)
     assert summary["iteration"] == 6
     # te keeps FP32 weights, FP32 grads and two FP32 Adam moments: 16 bytes per parameter.
@@ -51,7 +61,11 @@ def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     assert "lm loss validation" in records[2] and "lm loss validation ppl" in records[2]
     ckpt = tmp_path / "checkpoints" / "iter_0000006"
     assert {p.name for p in ckpt.iterdir()} == {
-        "model.safetensors", "optimizer.safetensors", "rng_rank0.safetensors", "metadata.json"}
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng_rank0.safetensors",
+        "metadata.json",
+    }
     meta = json.loads((ckpt / "metadata.json").read_text())
     assert meta["iteration"] == 6 and meta["consumed_samples"] == 24
     assert meta["config"]["precision"]["level"] == "te"
@@ -62,15 +76,19 @@ def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"fp8/layers.0.attention.qkv/input_amax", "fp8/layers.1.mlp.fc2/grad_output_scale",
-            "bytes-per-param/weights"} <= tags
+    assert {
+        "fp8/layers.0.attention.qkv/input_amax",
+        "fp8/layers.1.mlp.fc2/grad_output_scale",
+        "bytes-per-param/weights",
+    } <= tags
     amax = [e.value for e in acc.Scalars("fp8/layers.0.attention.qkv/input_amax")]
     assert len(amax) == 6 and all(a > 0 for a in amax)
 
 
 def test_bf16_bytes_per_param(tiny_data, tmp_path):
-    _train(tiny_data, tmp_path, "bf16",
-           **{"training.train_iters": 1, "optimizer.lr_warmup_iters": 0})
+    _train(
+        tiny_data, tmp_path, "bf16", **{"training.train_iters": 1, "optimizer.lr_warmup_iters": 0}
+    )
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     # BF16 weights (2) + FP32 main grads (4) + FP32 masters (4) + Adam m, v (8).
     assert rec["bytes-per-param"] == pytest.approx(18.0)

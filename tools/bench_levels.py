@@ -24,11 +24,23 @@ BEGIN, END = "<!-- bench_levels:begin -->", "<!-- bench_levels:end -->"
 
 def run_level(level: str, iters: int, nproc: int, config: str, out: Path, extra: list[str]):
     run_dir = out / level
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", config,
-           f"precision.level={level}", f"training.train_iters={iters}",
-           f"logging.dir={run_dir}", "checkpoint.resume=false", "checkpoint.save_interval=0",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "pretrain_gpt.py",
+        "--config",
+        config,
+        f"precision.level={level}",
+        f"training.train_iters={iters}",
+        f"logging.dir={run_dir}",
+        "checkpoint.resume=false",
+        "checkpoint.save_interval=0",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if (run_dir / "metrics.jsonl").exists():
         (run_dir / "metrics.jsonl").unlink()
@@ -88,15 +100,19 @@ def main() -> None:
     parser.add_argument("--write", help="markdown file to put the table into")
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
-    rows = [run_level(lv, args.iters, args.nproc, args.config, REPO / args.out, args.overrides)
-            for lv in args.levels]
+    rows = [
+        run_level(lv, args.iters, args.nproc, args.config, REPO / args.out, args.overrides)
+        for lv in args.levels
+    ]
     result = table(rows, args.reference)
     print(result)
     if args.write:
         command = " ".join(["python tools/bench_levels.py", *sys.argv[1:]])
-        body = (f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores "
-                f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "
-                f"`{args.config}`).\n\n{result}")
+        body = (
+            f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores "
+            f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "
+            f"`{args.config}`).\n\n{result}"
+        )
         write_section(REPO / args.write, body)
 
 

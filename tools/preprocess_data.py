@@ -43,27 +43,45 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="JSON-lines file, or a directory of text files")
-    src.add_argument("--default-corpus", action="store_true",
-                     help="prepare the cached default corpus (Python stdlib) and print its paths")
-    p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to read from each JSON line; one output dataset per key")
-    p.add_argument("--pattern", default="*",
-                   help="file name glob for a directory --input (recursive), default '*'")
+    src.add_argument(
+        "--default-corpus",
+        action="store_true",
+        help="prepare the cached default corpus (Python stdlib) and print its paths",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys to read from each JSON line; one output dataset per key",
+    )
+    p.add_argument(
+        "--pattern",
+        default="*",
+        help="file name glob for a directory --input (recursive), default '*'",
+    )
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer-model", help="existing SentencePiece .model file")
-    tok.add_argument("--vocab-size", type=int,
-                     help="train a SentencePiece BPE model of this size on the input")
+    tok.add_argument(
+        "--vocab-size", type=int, help="train a SentencePiece BPE model of this size on the input"
+    )
     p.add_argument("--output-prefix", help="output path prefix ({prefix}_{key}_document.*)")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="append the EOD token to each document (default: on)")
+    p.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append the EOD token to each document (default: on)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="tokenizer training seed")
     p.add_argument("--cache-dir", default=".cache/data", help="cache for --default-corpus")
     return p
 
 
 def _directory_files(root: Path, pattern: str) -> list[Path]:
-    files = [p for p in root.rglob(pattern) if p.is_file()
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    files = [
+        p
+        for p in root.rglob(pattern)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -92,8 +110,9 @@ def iter_input_texts(input_path: str, key: str, pattern: str = "*") -> Iterator[
     return _iter_jsonl(path, key)
 
 
-def _encoded(tokenizer: SentencePieceTokenizer, texts: Iterator[str], append_eod: bool,
-             skipped: list[int]) -> Iterator[list[int]]:
+def _encoded(
+    tokenizer: SentencePieceTokenizer, texts: Iterator[str], append_eod: bool, skipped: list[int]
+) -> Iterator[list[int]]:
     def flush(chunk: list[str]) -> Iterator[list[int]]:
         for ids in tokenizer.encode_batch(chunk):
             if not ids:  # an empty document adds nothing, not a lone EOD
@@ -124,8 +143,7 @@ def _validate(args: argparse.Namespace) -> None:
     if path.is_dir() and len(args.json_keys) != 1:
         raise UsageError("a directory --input gives one dataset: pass a single --json-keys")
     if path.is_dir() and not _directory_files(path, args.pattern):
-        raise UsageError(f"--input directory {args.input!r} has no files matching "
-                         f"{args.pattern!r}")
+        raise UsageError(f"--input directory {args.input!r} has no files matching {args.pattern!r}")
     if args.tokenizer_model is None and args.vocab_size is None:
         raise UsageError("give --tokenizer-model (existing) or --vocab-size (train one)")
     if args.tokenizer_model is not None and not Path(args.tokenizer_model).is_file():
@@ -142,15 +160,19 @@ def _run(args: argparse.Namespace) -> None:
         prepared = prepare_default_data(args.cache_dir, args.vocab_size, seed=args.seed)
         print(f"tokenizer_model: {prepared.tokenizer_model}")
         print(f"data_prefix: {prepared.data_prefix}")
-        print(f"documents: {prepared.num_documents} tokens: {prepared.num_tokens} "
-              f"vocab_size: {prepared.vocab_size}")
+        print(
+            f"documents: {prepared.num_documents} tokens: {prepared.num_tokens} "
+            f"vocab_size: {prepared.vocab_size}"
+        )
         return
 
     if args.tokenizer_model is None:
-        texts = (t for key in args.json_keys
-                 for t in iter_input_texts(args.input, key, args.pattern))
-        model = train_sentencepiece(texts, f"{args.output_prefix}_tokenizer", args.vocab_size,
-                                    seed=args.seed)
+        texts = (
+            t for key in args.json_keys for t in iter_input_texts(args.input, key, args.pattern)
+        )
+        model = train_sentencepiece(
+            texts, f"{args.output_prefix}_tokenizer", args.vocab_size, seed=args.seed
+        )
         print(f"tokenizer_model: {model}")
     else:
         model = Path(args.tokenizer_model)
@@ -159,16 +181,19 @@ def _run(args: argparse.Namespace) -> None:
     for key in args.json_keys:
         prefix = dataset_prefix(args.output_prefix, key)
         skipped = [0]
-        docs = _encoded(tokenizer, iter_input_texts(args.input, key, args.pattern),
-                        args.append_eod, skipped)
+        docs = _encoded(
+            tokenizer, iter_input_texts(args.input, key, args.pattern), args.append_eod, skipped
+        )
         stats = write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
         if stats.num_documents == 0:
             for suffix in (".bin", ".idx"):
                 Path(prefix + suffix).unlink(missing_ok=True)
             raise UsageError(f"no non-empty documents under key {key!r} in {args.input!r}")
         note = f" ({skipped[0]} empty skipped)" if skipped[0] else ""
-        print(f"data_prefix: {prefix} documents: {stats.num_documents}{note} "
-              f"tokens: {stats.num_tokens} dtype: {stats.dtype.name}")
+        print(
+            f"data_prefix: {prefix} documents: {stats.num_documents}{note} "
+            f"tokens: {stats.num_tokens} dtype: {stats.dtype.name}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

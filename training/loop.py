@@ -225,8 +225,11 @@ def pretrain(cfg: Config) -> dict:
         counters.update(state.resumed_counters)
         _print(logs, f"resumed from {resume_from} at iteration {iteration}")
         if iteration >= t.train_iters:
-            _print(logs, f"training already complete ({iteration} of training.train_iters="
-                         f"{t.train_iters}); raise training.train_iters to train further")
+            _print(
+                logs,
+                f"training already complete ({iteration} of training.train_iters="
+                f"{t.train_iters}); raise training.train_iters to train further",
+            )
     writer = MetricsWriter(log.dir, enabled=logs, tensorboard=log.tensorboard)
     flops = _flops_per_step(state)
     peak, peak_source = _peak(state)

@@ -68,9 +68,11 @@ def prepare_data(cfg: Config, rank: int):
         if rank != 0:
             prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
         if rank == 0:
-            print(f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
-                  f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size})",
-                  flush=True)
+            print(
+                f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
+                f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size})",
+                flush=True,
+            )
         return prepared.tokenizer_model, prepared.data_prefix
     try:
         prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
