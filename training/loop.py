@@ -193,8 +193,8 @@ def _flops_per_step(state: RunState) -> float:
         hidden=m.hidden_size,
         vocab=m.vocab_size,
         heads=m.num_attention_heads,
-        query_groups=m.num_query_groups or m.num_attention_heads,
-        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
         ffn=m.ffn_hidden_size,
         swiglu=m.activation == "swiglu",
     )
