@@ -22,7 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench_levels:begin -->", "<!-- bench_levels:end -->"
 
 
-def run_level(level: str, iters: int, nproc: int, config: str, out: Path, extra: list[str]):
+def _finished(metrics: Path, iters: int) -> bool:
+    if not metrics.exists():
+        return False
+    lines = metrics.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1]).get("iteration") == iters
+
+
+def run_level(level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False):
     run_dir = out / level
     cmd = [
         sys.executable,
@@ -42,12 +49,14 @@ def run_level(level: str, iters: int, nproc: int, config: str, out: Path, extra:
         *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").unlink()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"level {level} failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics.jsonl"
+    if not (reuse and _finished(metrics, iters)):
+        if metrics.exists():
+            metrics.unlink()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"level {level} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
     train = [r for r in records if "lm loss" in r]
     valid = [r["lm loss validation"] for r in records if "lm loss validation" in r]
     times = [r["iteration-time"] for r in train[1:]]  # the first interval includes warm-up
@@ -98,6 +107,11 @@ def main() -> None:
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/bench_levels")
     parser.add_argument("--write", help="markdown file to put the table into")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse a level's finished run in --out instead of training again",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
     rows = [
