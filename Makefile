@@ -17,7 +17,9 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install -q -r requirements.txt
 	touch $(STAMP)
 
+# The config is checked before torchrun starts, so a mistake costs one line, not a traceback.
 train: venv
+	$(BIN)/python -m training.config $(CONFIG) $(ARGS) > /dev/null
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) pretrain_gpt.py --config $(CONFIG) $(ARGS)
 
 test: venv

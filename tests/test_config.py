@@ -100,8 +100,8 @@ def test_overrides(tmp_path):
     assert cfg.model.num_query_groups == 2 and cfg.training.exit_interval is None
     assert cfg.data.split == "90,5,5" and cfg.logging.dir == "runs/x=y"
     # Later overrides win; apply_overrides leaves the original untouched (frozen).
-    again = apply_overrides(cfg, ["training.train_iters=7", "training.train_iters=9"])
-    assert again.training.train_iters == 9 and cfg.training.train_iters == 300
+    again = apply_overrides(cfg, ["training.train_iters=27", "training.train_iters=29"])
+    assert again.training.train_iters == 29 and cfg.training.train_iters == 300
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.training.train_iters = 1  # type: ignore[misc]
 
@@ -154,6 +154,7 @@ BAD = [
     ("model:\n  num_query_groups: 3\n", [], "model.num_attention_heads (4) must be divisible"),
     ("model:\n  max_position_embeddings: 128\n", [], "model.max_position_embeddings (128)"),
     ("training:\n  global_batch_size: 10\n", [], "training.global_batch_size (10) must be"),
+    ("optimizer:\n  lr_warmup_iters: 300\n", [], "optimizer.lr_warmup_iters (300) must be less"),
     ("parallel:\n  sequence_parallel: true\n", [], "parallel.sequence_parallel requires"),
     ("parallel:\n  tensor: 3\n", [], "model.num_attention_heads (4) must be divisible by paral"),
     ("parallel:\n  pipeline: 3\n", [], "model.num_layers (4) must be divisible by parallel.pip"),

@@ -269,7 +269,7 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv[0], argv[1:])
     except ConfigError as err:
-        print(err, file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     sys.stdout.write(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return 0

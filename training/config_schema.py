@@ -453,6 +453,15 @@ class Config:
                 f"config: model.num_layers ({m.num_layers}) must be divisible by {what} ({stages})"
             )
 
+        # megatron-core's scheduler asserts this; say it in the config's own words instead.
+        decay = self.resolved_lr_decay_iters()
+        if self.optimizer.lr_warmup_iters >= decay:
+            raise ConfigError(
+                f"config: optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) must be "
+                f"less than the decay length {decay} (optimizer.lr_decay_iters, else "
+                "training.train_iters)"
+            )
+
     def resolved_checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.logging.dir, "checkpoints")
 

@@ -123,12 +123,6 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     """Everything but resume. ``gemm_backend`` forces the FP8 GEMM backend (a resumed run
     reuses the one its checkpoint used, so the loss sequence stays bit-identical)."""
     recipe = get_recipe(cfg.precision.level).require_implemented()
-    decay_iters = cfg.resolved_lr_decay_iters()
-    if cfg.optimizer.lr_warmup_iters >= decay_iters:
-        raise ConfigError(
-            f"config: optimizer.lr_warmup_iters={cfg.optimizer.lr_warmup_iters} must be less than "
-            f"the decay length {decay_iters} (optimizer.lr_decay_iters, else training.train_iters)"
-        )
     if cfg.optimizer.distributed:
         raise ConfigError(
             "config: optimizer.distributed=true: the distributed optimizer is not implemented "
@@ -159,7 +153,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(model, recipe, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, decay_iters)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
 
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size
