@@ -1,0 +1,139 @@
+"""Tensor-scaled low-precision storage: FP16/FP8 weights, masters, moments and FP8 gradients.
+
+A ``ScaledTensor`` stores ``x`` as ``data = cast(x * scale)`` with one FP32 scale per tensor and
+reads it back as ``data * scale_inv``. For FP16 the scale is a power of two chosen so the
+tensor's amax sits just below 65504 (MS-AMP's tensor scaling): multiplying by a power of two is
+exact, so the only rounding is FP16's own 11-bit mantissa, and small values keep FP16's range.
+
+``Fp8GradSlot`` is a weight gradient kept in FP8 E4M3 between backward and the optimizer step
+(a main-grad slot). Accumulation rule across micro-batches: the stored gradient is read back to
+FP32, the new micro-batch's FP32 gradient is added, and the sum is cast again with a scale from
+the sum's own amax. Each accumulation therefore rounds once to E4M3 (relative error at most
+2**-4 of an element's magnitude, half an E4M3 ulp, for normal values); after k micro-batches the
+error is a sum of k such roundings of partial sums, so it grows at most linearly and in practice
+like sqrt(k). No FP32 copy survives the call: the FP32 sum is a temporary.
+
+Scaling a slot (unscaling by the loss scale, clipping, averaging) touches only ``scale_inv``:
+the FP8 bytes are unchanged, so it is exact and free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import E4M3, FP8Format, cast_to_fp8
+from .scaling import compute_scale
+
+__all__ = ["FP16_MAX", "ScaledTensor", "Fp8GradSlot", "pow2_scale", "max_of"]
+
+FP16_MAX = 65504.0
+
+
+def max_of(dtype: torch.dtype) -> float:
+    """Largest finite value of a storage dtype (fp16 or one of the FP8 formats)."""
+    return float(torch.finfo(dtype).max)
+
+
+def pow2_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """Largest power of two ``s`` with ``amax * s <= max_value``; 1.0 where amax is 0 or not finite.
+
+    A tensor result, computed on the device: no host synchronisation.
+    """
+    amax = amax.float()
+    raw = (max_value / amax).clamp(2.0**-126, 2.0**126)
+    mantissa, _ = torch.frexp(raw)  # raw = m * 2**e, m in [0.5, 1): raw / (2m) = 2**(e-1) <= raw
+    scale = raw / (2.0 * mantissa)
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = max_of(dtype)
+    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+@dataclass
+class ScaledTensor:
+    """``data`` (fp16 or fp8) with one FP32 ``scale_inv``: the value is ``data * scale_inv``."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, dtype: torch.dtype) -> ScaledTensor:
+        out = cls(torch.empty_like(x, dtype=dtype), torch.ones((), device=x.device))
+        out.assign_(x)
+        return out
+
+    @classmethod
+    def zeros(cls, shape, dtype: torch.dtype, device=None) -> ScaledTensor:
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.ones((), device=device))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * self.scale_inv
+
+    def assign_(self, x: torch.Tensor) -> None:
+        """Store ``x`` in place with a fresh power-of-two scale from its own amax."""
+        scale = pow2_scale(x.detach().abs().amax(), max_of(self.data.dtype))
+        self.data.copy_(_cast(x, scale, self.data.dtype))
+        self.scale_inv.copy_(1.0 / scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class Fp8GradSlot:
+    """An FP8 E4M3 weight gradient with a per-tensor scale, accumulated across micro-batches.
+
+    ``amax`` is the largest magnitude the slot represents; it is inf/NaN when an accumulated
+    gradient overflowed, which is how the step's inf check sees an FP8 gradient (the cast itself
+    saturates, so the bytes alone would hide the overflow).
+    """
+
+    fmt: FP8Format = E4M3
+
+    def __init__(self, shape, device=None):
+        self.data = torch.zeros(shape, dtype=self.fmt.dtype, device=device)
+        self.scale_inv = torch.ones((), device=device)
+        self.amax = torch.zeros((), device=device)
+        self.has_data = False  # host flag, set by code paths alone: never read from the device
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        total = grad.float() if not self.has_data else self.dequantize() + grad.float()
+        amax = total.abs().amax()
+        # Non-finite amax: keep it (the inf check reads it) but cast with a finite scale.
+        scale = compute_scale(amax, self.fmt, fallback=1.0 / self.scale_inv)
+        self.data = cast_to_fp8(total, self.fmt, scale)
+        self.scale_inv = 1.0 / scale
+        self.amax = amax
+        self.has_data = True
+
+    def assign(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
+        """Replace the contents (e.g. with the data-parallel average)."""
+        self.data, self.scale_inv, self.amax = data, scale_inv, amax
+        self.has_data = True
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * self.scale_inv
+
+    def mul_(self, factor: torch.Tensor | float) -> None:
+        """Multiply the represented gradient by ``factor``: only the scale changes (exact)."""
+        self.scale_inv = self.scale_inv * factor
+        self.amax = self.amax * abs(factor)
+
+    def zero_(self) -> None:
+        self.data.zero_()
+        self.scale_inv = torch.ones_like(self.scale_inv)
+        self.amax = torch.zeros_like(self.amax)
+        self.has_data = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
