@@ -26,6 +26,7 @@ from torch import nn
 
 from .formats import E4M3, E5M2
 from .gemm import fp8_gemm
+from .low_precision import Fp8GradSlot, ScaledTensor
 from .precision import PrecisionRecipe
 from .scaling import ScalingRecipe, ScalingState
 from .tensor import Float8Tensor
@@ -44,14 +45,18 @@ class Fp8LinearFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` with all three GEMMs in FP8. x is 2-D [M, K]; W [N, K]; b [N] or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_state, w_state, g_state, update):
+    def forward(ctx, x, weight, bias, x_state, w_state, g_state, update, w_scale_inv, grad_slot):
         x8 = _quantize(x, x_state, update)
-        w8 = _quantize(weight, w_state, update)
+        if weight.dtype == E4M3.dtype:  # O3: the stored weight already is FP8 with its scale
+            w8 = Float8Tensor(weight.detach(), w_scale_inv, E4M3)
+        else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
+            w_hp = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
+            w8 = _quantize(w_hp, w_state, update)
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
-        ctx.g_state, ctx.update = g_state, update
+        ctx.g_state, ctx.update, ctx.grad_slot = g_state, update, grad_slot
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
@@ -67,10 +72,16 @@ class Fp8LinearFunction(torch.autograd.Function):
             if need_x:
                 dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype)  # [M,N]·[N,K]
             if need_w:
-                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=w_dtype)  # [N,M]·[M,K]
+                slot = ctx.grad_slot
+                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=torch.float32 if slot else w_dtype)
+                if slot is not None:
+                    # FP8 weight-gradient levels: accumulate into the FP8 main-grad slot and hand
+                    # autograd nothing, so no high-precision .grad ever exists for this weight.
+                    slot.accumulate(dw)
+                    dw = None
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -109,6 +120,43 @@ class Linear(nn.Module):
             self.fp8_grad_output = ScalingState(E5M2, self.scaling, device)
         self.reset_parameters()
 
+    @property
+    def lowered(self) -> bool:
+        """Whether the weight is stored below FP32 (scaled FP16 at O1/O2, FP8 at O3)."""
+        return self.weight.dtype in (torch.float16, E4M3.dtype)
+
+    @torch.no_grad()
+    def lower_weight_precision(self) -> None:
+        """Store the weight as the recipe's ``weight`` column says, after initialisation.
+
+        O1/O2: an FP16 tensor with a power-of-two per-tensor scale (``weight_scale_inv``); it
+        is the master weight, there is no FP32 copy. O3: FP8 E4M3 with its scale (the FP16
+        master lives in the optimizer). Where the recipe's weight gradient is FP8, the weight
+        gets an ``Fp8GradSlot`` as ``weight.main_grad`` and autograd never sees a weight grad.
+        """
+        recipe = self.recipe
+        if recipe is None or recipe.weight not in ("fp16", "fp8") or self.lowered:
+            return
+        if not self.fp8:
+            raise ValueError(f"level {recipe.level}: a {recipe.weight} weight needs FP8 GEMMs")
+        dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
+        stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
+        self.weight = nn.Parameter(stored.data)
+        self.register_buffer("weight_scale_inv", stored.scale_inv)
+        if recipe.weight_grad == "fp8":
+            self.weight.main_grad = Fp8GradSlot(self.weight.shape, self.weight.device)
+        self._link_weight_attributes()
+
+    def _link_weight_attributes(self) -> None:
+        # The optimizer reads the scale through the parameter; keep it the module's buffer.
+        if hasattr(self, "weight_scale_inv"):
+            self.weight.scale_inv = self.weight_scale_inv
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._link_weight_attributes()  # .to(device) replaces buffers: re-point the attribute
+        return out
+
     def reset_parameters(self) -> None:
         # Same calls in the same order as nn.Linear, so a seed gives the same weights.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -140,6 +188,8 @@ class Linear(nn.Module):
             self.fp8_weight,
             self.fp8_grad_output,
             self.training,
+            getattr(self, "weight_scale_inv", None),
+            getattr(self.weight, "main_grad", None) if self.lowered else None,
         )
         return y.reshape(*lead, self.out_features)
 

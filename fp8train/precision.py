@@ -78,9 +78,9 @@ LEVELS: dict[str, PrecisionRecipe] = {
         _row("bf16", "bf16", "fp32", "bf16", "fp32", "fp32", "fp32", "fp32", "bf16"),
         _row("fp16", "fp16", "fp32", "fp32", None, "fp32", "fp32", "fp32", "fp32"),
         _row("te", "fp8", "fp32", "fp32", None, "fp32", "fp32", "fp32", "fp32"),
-        _row("O1", "fp8", "fp8", "fp16", None, "fp8", "fp32", "fp32", "fp32", False),
-        _row("O2", "fp8", "fp8", "fp16", None, "fp8", "fp8", "fp16", "fp32", False),
-        _row("O3", "fp8", "fp8", "fp8", "fp16", "fp8", "fp8", "fp16", "fp32", False),
+        _row("O1", "fp8", "fp8", "fp16", None, "fp8", "fp32", "fp32", "fp32"),
+        _row("O2", "fp8", "fp8", "fp16", None, "fp8", "fp8", "fp16", "fp32"),
+        _row("O3", "fp8", "fp8", "fp8", "fp16", "fp8", "fp8", "fp16", "fp32"),
     )
 }
 

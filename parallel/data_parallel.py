@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["allreduce_gradients", "broadcast_parameters"]
+__all__ = ["allreduce_gradients", "broadcast_parameters", "reduce_gradients"]
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -45,3 +45,16 @@ def broadcast_parameters(module: torch.nn.Module, group: dist.ProcessGroup | Non
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(tensor.data, src=src, group=group)
+
+
+def reduce_gradients(grads: list[torch.Tensor], slots: list, group, meter=None) -> None:
+    """Data-parallel mean of every gradient: FP32 on the wire for high-precision gradients,
+    FP8 bytes (exact FP32 sums) for the FP8 weight-gradient slots of O1-O3."""
+    if group is None:
+        return
+    from parallel.fp8_comm import allreduce_fp8_grads, allreduce_fp32_grads
+
+    if grads:
+        allreduce_fp32_grads(grads, group, meter)
+    if slots:
+        allreduce_fp8_grads(slots, group, meter)

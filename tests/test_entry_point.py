@@ -97,7 +97,7 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     ("override", "needle"),
     [
         ("training.trian_iters=5", "training.trian_iters"),
-        ("precision.level=O2", "precision.level=O2"),
+        ("parallel.pipeline=2", "parallel.pipeline"),
         ("parallel.tensor=2", "parallel.tensor"),
         ("optimizer.distributed=true", "optimizer.distributed"),
         ("training.global_batch_size=3", "training.global_batch_size"),

@@ -69,7 +69,8 @@ def test_bf16_master_weights_follow_adamw_on_accumulated_fp32_grads():
         for p, master in zip(model.parameters(), opt.master_params):
             assert p.dtype == torch.bfloat16
             assert torch.equal(p.data, master.bfloat16())
-    assert opt.bytes_by_role()["master"] == 4 * sum(p.numel() for p in model.parameters())
+    for index, p in enumerate(model.parameters()):
+        assert opt.param_state_bytes(index) == (4 * p.numel(), 8 * p.numel())
 
 
 def test_fp32_optimizer_state_round_trip():

@@ -79,7 +79,7 @@ def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     assert {
         "fp8/layers.0.attention.qkv/input_amax",
         "fp8/layers.1.mlp.fc2/grad_output_scale",
-        "bytes-per-param/weights",
+        "bytes-per-param/all/weights",
     } <= tags
     amax = [e.value for e in acc.Scalars("fp8/layers.0.attention.qkv/input_amax")]
     assert len(amax) == 6 and all(a > 0 for a in amax)

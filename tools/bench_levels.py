@@ -61,6 +61,7 @@ def run_level(level, iters, nproc, config, out: Path, extra: list[str], reuse: b
     valid = [r["lm loss validation"] for r in records if "lm loss validation" in r]
     times = [r["iteration-time"] for r in train[1:]]  # the first interval includes warm-up
     return {
+        "curve": [(r["iteration"], r["lm loss"]) for r in train],
         "level": level,
         "first": train[0]["lm loss"],
         "final": train[-1]["lm loss"],
@@ -87,6 +88,28 @@ def table(rows: list[dict], reference: str) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Training-loss curves of every level on one set of axes, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the benchmark machine
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for r in rows:
+        steps, losses = zip(*r["curve"])
+        ax.plot(steps, losses, label=r["level"], linewidth=1.4)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss (mean over the log interval)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def write_section(doc: Path, body: str) -> None:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = f"{BEGIN}\n{body}\n{END}"
@@ -107,6 +130,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/bench_levels")
     parser.add_argument("--write", help="markdown file to put the table into")
+    parser.add_argument("--plot", help="PNG file for the loss curves")
     parser.add_argument(
         "--reuse",
         action="store_true",
@@ -120,6 +144,8 @@ def main() -> None:
     ]
     result = table(rows, args.reference)
     print(result)
+    if args.plot:
+        plot(rows, REPO / args.plot, f"{args.config}, {args.iters} iterations, {args.nproc} ranks")
     if args.write:
         command = " ".join(["python tools/bench_levels.py", *sys.argv[1:]])
         body = (
@@ -127,6 +153,9 @@ def main() -> None:
             f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "
             f"`{args.config}`).\n\n{result}"
         )
+        if args.plot:
+            rel = os.path.relpath(REPO / args.plot, (REPO / args.write).parent)
+            body += f"\n\n![training loss per level]({rel})"
         write_section(REPO / args.write, body)
 
 

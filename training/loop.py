@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
-from parallel.data_parallel import allreduce_gradients
+from parallel.data_parallel import reduce_gradients
 from training.checkpointing import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import gpt_flops_per_step, measure_cpu_peak_tflops, peak_tflops_for
@@ -66,12 +66,20 @@ def train_step(state: RunState, data_iter, n_micro: int) -> dict:
         scaler.scale(total / count.clamp(min=1) / n_micro).backward()
         loss_sum += total.detach()
         tokens += count
-    allreduce_gradients(opt.model_params, state.groups.data)
-    grads = opt.grads()
+    grads, slots = opt.grads(), opt.grad_slots()
+    state.meter.reset_step()
+    reduce_gradients(grads, slots, state.groups.data, state.meter)
+    comm = state.meter.step_summary()
+    fp8_elements = sum(s.data.numel() for s in slots)
+    all_elements = fp8_elements + sum(g.numel() for g in grads)
     if scaler.loss_scale != 1.0:
-        torch._foreach_mul_(grads, 1.0 / scaler.loss_scale)
+        unscale = 1.0 / scaler.loss_scale
+        if grads:
+            torch._foreach_mul_(grads, unscale)
+        for slot in slots:
+            slot.mul_(unscale)  # exact: only the FP8 slot's scale changes
     stats = {}
-    grad_norm = clip_grad_norm(grads, state.cfg.training.clip_grad)
+    grad_norm = clip_grad_norm(grads, state.cfg.training.clip_grad, slots)
     norm = float(grad_norm)
     finite = math.isfinite(norm)
     if finite:
@@ -84,6 +92,12 @@ def train_step(state: RunState, data_iter, n_micro: int) -> dict:
     opt.zero_grad()
     reduced = _allreduce_sum(torch.stack([loss_sum, tokens]), state.groups.data)
     stats.update(loss=float(reduced[0] / reduced[1]), grad_norm=norm, skipped=not finite)
+    # Wire bytes per gradient element: of the FP8 weight gradients alone when there are any
+    # (the "1 byte per element" claim), and of every gradient together.
+    fp8_bytes = sum(v for k, v in comm.items() if "fp8" in k)
+    stats["comm"] = comm
+    stats["wire"] = fp8_bytes / fp8_elements if fp8_elements else None
+    stats["wire_all"] = sum(comm.values()) / max(all_elements, 1)
     return stats
 
 
@@ -302,6 +316,7 @@ def _log(
     topo = state.groups.topology
     tflops = flops / (step_time * 1e12 * topo.world_size)
     bpp = state.bytes_per_param or {}
+    by_role = {f"{cat}/{role}": v for cat, roles in bpp.items() for role, v in roles.items()}
     m = {
         "iteration": iteration,
         "consumed-samples": consumed,
@@ -313,8 +328,11 @@ def _log(
         "iteration-time": step_time,
         "throughput": tflops,
         "mfu": tflops / peak,
-        "bytes-per-param": bpp.get("total"),
-        "bytes-per-param-by-role": {k: v for k, v in bpp.items() if k != "total"},
+        "bytes-per-param": bpp.get("all", {}).get("total"),
+        "bytes-per-param-by-role": by_role,
+        "comm-bytes": stats["comm"],
+        "wire-bytes-per-grad-element": stats["wire"],
+        "wire-bytes-per-grad-element-all": stats["wire_all"],
         "skipped-iterations": counters["skipped"],
         "nan-iterations": counters["nan"],
     }
@@ -336,6 +354,8 @@ def _log(
         scalars.pop("iteration")
         for role, value in m["bytes-per-param-by-role"].items():
             scalars[f"bytes-per-param/{role}"] = value
+        for name, value in m["comm-bytes"].items():
+            scalars[f"comm-bytes/{name}"] = value
         if state.cfg.logging.log_fp8_stats and state.recipe.fp8_gemm:
             for layer, roles in state.model.fp8_stats().items():
                 for key, value in roles.items():

@@ -1,41 +1,51 @@
-"""Model-state bytes per parameter, measured from the live tensors, by role.
+"""Model-state bytes per parameter, measured from the live tensors, by role and category.
 
-Counted per rank: weights, gradients (``.grad`` or the FP32 ``main_grad``), master weights and
-optimizer states. Embedding/norm/bias parameters are reported apart from linear weights because
-the precision table only governs the GEMM weights.
+Counted per rank: weights, gradients (``.grad``, the FP32 ``main_grad`` at bf16 or the FP8
+gradient slot at O1-O3), master weights and optimizer states. The linear (GEMM) weights are
+reported apart from the rest (embeddings, norms, biases) because the precision table governs
+only them; ``all`` is the whole model.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["model_state_bytes"]
+from fp8train.linear import Linear
+
+__all__ = ["ROLES", "model_state_bytes"]
+
+ROLES = ("weights", "grads", "master", "optimizer")
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, dict[str, float]]:
+    """``{category: {role: bytes per parameter, ..., "total": ..., "num-parameters": n}}``.
 
-
-def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, float]:
-    """Bytes per parameter by role plus the total, for this rank's share of the model.
-
-    Call it while gradients are alive (after backward, before they are zeroed) so the gradient
-    slot is measured rather than assumed.
+    Categories: "linear" (weights of fp8train Linear layers), "other", "all". Call it while
+    gradients are alive (after backward, before they are zeroed) and after the first optimizer
+    step (lazily created states exist), so every slot is measured rather than assumed.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in params)
-    weights = sum(_nbytes(p) for p in params)
-    grads = 0
-    for p in params:
+    linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    sums = {c: dict.fromkeys((*ROLES, "n"), 0) for c in ("linear", "other", "all")}
+    for index, p in enumerate(optimizer.model_params):
         grad = getattr(p, "main_grad", None)
-        grads += _nbytes(grad if grad is not None else p.grad)
-    extra = optimizer.bytes_by_role()
-    total = weights + grads + extra["master"] + extra["optimizer"]
-    return {
-        "weights": weights / n,
-        "grads": grads / n,
-        "master": extra["master"] / n,
-        "optimizer": extra["optimizer"] / n,
-        "total": total / n,
-        "num-parameters": float(n),
-    }
+        if grad is None:
+            grad = p.grad
+        master, states = optimizer.param_state_bytes(index)
+        row = {
+            "weights": p.nbytes,
+            "grads": 0 if grad is None else grad.nbytes,
+            "master": master,
+            "optimizer": states,
+            "n": p.numel(),
+        }
+        for category in ("linear" if id(p) in linear_ids else "other", "all"):
+            for key, value in row.items():
+                sums[category][key] += value
+    out = {}
+    for category, s in sums.items():
+        n = max(s["n"], 1)
+        per = {role: s[role] / n for role in ROLES}
+        per["total"] = sum(per.values())
+        per["num-parameters"] = float(s["n"])
+        out[category] = per
+    return out

@@ -12,9 +12,13 @@ import math
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from fp8train.low_precision import Fp8GradSlot
+from fp8train.optim import LowBitAdamW
 from fp8train.precision import PrecisionRecipe
 
 __all__ = ["TrainOptimizer", "build_optimizer", "build_scheduler", "clip_grad_norm"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -46,30 +50,61 @@ class TrainOptimizer:
             {"params": decay, "wd_mult": 1.0},
             {"params": no_decay, "wd_mult": 0.0},
         ]
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
+        hyper = dict(
             lr=opt_cfg.lr,
             betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
             eps=opt_cfg.adam_eps,
             weight_decay=opt_cfg.weight_decay,
-            foreach=True,
         )
+        groups = [g for g in groups if g["params"]]
+        self.low_bit = recipe.weight_grad == "fp8"
+        if self.low_bit:
+            # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots; moments per the table.
+            self.optimizer = LowBitAdamW(
+                groups,
+                exp_avg_dtype=_DTYPES[recipe.adam_m],
+                exp_avg_sq_dtype=_DTYPES[recipe.adam_v],
+                **hyper,
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(groups, foreach=True, **hyper)
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def grads(self) -> list[torch.Tensor]:
-        """The gradients the step will use (FP32 main grads at bf16, ``.grad`` otherwise)."""
+        """High-precision gradients the step will use (FP32 main grads at bf16, else ``.grad``)."""
         if self.use_master:
             return [p.main_grad for p in self.model_params]
         return [p.grad for p in self.model_params if p.grad is not None]
 
+    def grad_slots(self) -> list[Fp8GradSlot]:
+        """FP8 weight gradients (O1-O3) that hold data this step."""
+        slots = (getattr(p, "main_grad", None) for p in self.model_params)
+        return [s for s in slots if isinstance(s, Fp8GradSlot) and s.has_data]
+
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None
-            if self.use_master:
-                p.main_grad.zero_()
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None:
+                main_grad.zero_()
+
+    def param_state_bytes(self, index: int) -> tuple[int, int]:
+        """(master bytes, optimizer-state bytes) held for model parameter ``index``."""
+        param = self.model_params[index]
+        master = self.master_params[index] if self.use_master else None
+        state = self.optimizer.state.get(master if master is not None else param, {})
+        master_bytes = master.nbytes if master is not None else 0
+        other = 0
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                if "master" in key:
+                    master_bytes += value.nbytes
+                else:
+                    other += value.nbytes
+        return master_bytes, other
 
     def step(self) -> None:
         if self.use_master:
@@ -109,18 +144,6 @@ class TrainOptimizer:
                 for index, master in enumerate(self.master_params):
                     master.copy_(tensors[f"master.{index}"])
 
-    def bytes_by_role(self) -> dict[str, int]:
-        """Bytes of master weights and optimizer states actually held, for bytes-per-param."""
-        master = (
-            sum(m.numel() * m.element_size() for m in self.master_params) if self.use_master else 0
-        )
-        states = 0
-        for slots in self.optimizer.state.values():
-            for value in slots.values():
-                if torch.is_tensor(value) and value.numel() > 1:
-                    states += value.numel() * value.element_size()
-        return {"master": master, "optimizer": states}
-
 
 def _accumulate_main_grad(param: torch.nn.Parameter) -> None:
     param.main_grad.add_(param.grad)
@@ -152,18 +175,28 @@ def build_scheduler(
     )
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of ``grads`` (FP32), scaling them in place when it exceeds ``max_norm``.
+def clip_grad_norm(
+    grads: list[torch.Tensor], max_norm: float, slots: list[Fp8GradSlot] = ()
+) -> torch.Tensor:
+    """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
-    Returns the norm before clipping as a tensor (inf/NaN propagate so the caller can skip).
-    Every gradient is clipped, whatever its dtype.
+    Returns the norm before clipping as a tensor; an overflowed FP8 slot (non-finite amax)
+    makes it non-finite so the caller skips the step. Every gradient is clipped, FP8 ones
+    included (MS-AMP skips them): for a slot that is a change of its scale only.
     """
-    if not grads:
+    norms = []
+    if grads:
+        norms += torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+    for slot in slots:
+        # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
+        norms.append(torch.linalg.vector_norm(slot.dequantize()) + 0.0 * slot.amax)
+    if not norms:
         return torch.zeros(())
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
     total = torch.linalg.vector_norm(torch.stack(norms))
-    if max_norm > 0:
+    if max_norm > 0 and math.isfinite(float(total)):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if math.isfinite(float(total)):
+        if grads:
             torch._foreach_mul_(grads, coef)
+        for slot in slots:
+            slot.mul_(coef)
     return total

@@ -16,10 +16,12 @@ from data.gpt_data import build_gpt_datasets
 from data.prepare import prepare_data_from_prefix, prepare_default_data
 from data.tokenizer import SentencePieceTokenizer
 from fp8train import gemm
+from fp8train.convert import lower_linear_weights
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
 from models.gpt import GPTConfig, GPTModel
+from parallel.comm_meter import CommMeter
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
@@ -43,6 +45,7 @@ class RunState:
     valid_ds: object
     gemm_backend: str | None
     bytes_per_param: dict | None = None  # measured at the first step, while grads are alive
+    meter: CommMeter | None = None  # bytes on the wire per collective, this step
     resumed_counters: dict | None = None
 
 
@@ -146,6 +149,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     if recipe.param_dtype != torch.float32:
         for p in model.parameters():  # parameters only: FP8 scaling buffers stay FP32
             p.data = p.data.to(recipe.param_dtype)
+    lower_linear_weights(model)  # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots
 
     chosen = None
     if recipe.fp8_gemm:
@@ -183,4 +187,5 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         train_ds=train_ds,
         valid_ds=valid_ds,
         gemm_backend=chosen,
+        meter=CommMeter(),
     )

@@ -1,0 +1,267 @@
+"""AdamW whose moments and master weights may live in low precision (MS-AMP O1-O3).
+
+The update itself is computed in FP32: every state is read back to FP32, the arithmetic is
+torch.optim.AdamW's, op for op (decoupled weight decay ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-b1)``,
+``v = b2*v + (1-b2)*g*g``, ``p += (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)``), and the results
+are stored again, each low-precision tensor with a fresh per-tensor scale (see optim_states).
+With FP32 states on FP32 parameters the result is bit-identical to torch.optim.AdamW on CPU.
+
+Three kinds of parameters (set up by the model layer):
+
+- plain (embeddings, norms, biases, or any FP32 model): ``p.grad``; FP32 moments, because
+  high-precision roles stay high at every level. A param group may still set
+  ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` to override that for all of its parameters.
+- scaled FP16 weight (O1/O2): ``p`` is FP16 with an fp32 0-d ``p.scale_inv``; it *is* the
+  master weight. Gradient: an ``Fp8GradSlot`` in ``p.main_grad``. Written back in place with a
+  power-of-two scale (``p.scale_inv`` is the module's buffer, so it is updated in place too).
+- FP8 weight (O3): ``p`` is FP8 E4M3 with ``p.scale_inv``; the optimizer owns a tensor-scaled
+  FP16 master (state "master"), created from the FP8 weight on first use. The new FP8 weight is
+  re-cast from the stored master, so ``weight == E4M3(master)`` holds exactly after each step.
+
+Moment dtypes from the constructor apply to the scaled weights (kinds 2 and 3). A parameter
+without a gradient this step (no ``main_grad`` data, ``grad`` None) is skipped and its state
+left untouched, as in torch.
+
+No host synchronisation in ``step()``: bias corrections are computed on the device from the
+step tensors, amaxes and scales stay tensors, and the only host flags read are
+``Fp8GradSlot.has_data`` and the group's Python hyperparameters. Work is batched with
+``torch._foreach_*`` per param group and device. The bias corrections use float64 (not
+supported on MPS); CPU and CUDA are the targets.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from .low_precision import FP16_MAX, Fp8GradSlot
+from .optim_states import (
+    EXP_AVG_DTYPES,
+    EXP_AVG_SQ_DTYPES,
+    dequantize,
+    grad_of,
+    init_state,
+    param_kind,
+    quantize_into_,
+    weight_value,
+)
+
+__all__ = ["LowBitAdamW"]
+
+
+def _check_dtypes(m_dtype: torch.dtype, v_dtype: torch.dtype) -> None:
+    if m_dtype not in EXP_AVG_DTYPES:
+        raise ValueError(f"exp_avg_dtype={m_dtype}: choose one of {EXP_AVG_DTYPES}")
+    if v_dtype not in EXP_AVG_SQ_DTYPES:
+        raise ValueError(f"exp_avg_sq_dtype={v_dtype}: choose one of {EXP_AVG_SQ_DTYPES}")
+
+
+def _bias_corrections(steps: list[torch.Tensor], lr, beta1: float, beta2: float):
+    """``-lr / (1 - b1**t)`` (a float64 vector) and ``sqrt(1 - b2**t)`` (fp32 0-d tensors).
+
+    torch's AdamW computes these in Python doubles from ``step.item()`` (a sync); float64 on
+    the device gives the same doubles, and both are rounded to fp32 where the kernels use them.
+    """
+    t = torch.stack(steps).double()
+    neg_step_size = -(lr / (1 - beta1**t))
+    bc2_sqrt = (1 - beta2**t).sqrt().float()
+    return neg_step_size, list(bc2_sqrt.unbind())
+
+
+class LowBitAdamW(torch.optim.Optimizer):
+    """AdamW with FP32 or low-bit moments (m: FP32 | FP8 E4M3, v: FP32 | FP16) and FP16 masters.
+
+    Param groups work as in torch.optim.AdamW (per-group lr, betas, eps, weight_decay; extra
+    keys such as "wd_mult" are kept). The optimizer zeroes ``Fp8GradSlot`` gradients in
+    ``zero_grad`` as well as ``.grad``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+    ):
+        if not 0.0 <= eps:
+            raise ValueError(f"eps={eps}: must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={betas}: each must be in [0, 1)")
+        _check_dtypes(exp_avg_dtype, exp_avg_sq_dtype)
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        _check_dtypes(
+            param_group.get("exp_avg_dtype", torch.float32),
+            param_group.get("exp_avg_sq_dtype", torch.float32),
+        )
+        super().add_param_group(param_group)
+
+    def _state_dtypes(self, group: dict, kind: str) -> tuple[torch.dtype, torch.dtype]:
+        low = kind != "plain"
+        m = self.exp_avg_dtype if low else torch.float32
+        v = self.exp_avg_sq_dtype if low else torch.float32
+        return group.get("exp_avg_dtype", m), group.get("exp_avg_sq_dtype", v)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_device: dict[torch.device, list] = {}
+            for p in group["params"]:
+                grad = grad_of(p)
+                if grad is None:
+                    continue
+                kind = param_kind(p)
+                state = self.state[p]
+                if not state:
+                    state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
+                by_device.setdefault(p.device, []).append((p, kind, grad, state))
+            for items in by_device.values():
+                self._update(group, items)
+        return loss
+
+    def _update(self, group: dict, items: list) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        grads = [g for _, _, g, _ in items]
+        states = [s for _, _, _, s in items]
+        weights = [self._weight_fp32(p, kind, s) for p, kind, _, s in items]
+        m_low = [s for s in states if "exp_avg_scale_inv" in s]
+        v_low = [s for s in states if "exp_avg_sq_scale_inv" in s]
+        exp_avgs = self._moment_fp32(states, "exp_avg")
+        exp_avg_sqs = self._moment_fp32(states, "exp_avg_sq")
+        steps = [s["step"] for s in states]
+
+        # torch.optim.AdamW's arithmetic, op for op, on FP32 tensors.
+        torch._foreach_add_(steps, 1)
+        if wd != 0:
+            torch._foreach_mul_(weights, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        neg_step_size, bc2_sqrt = _bias_corrections(steps, lr, beta1, beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        # torch: addcdiv_(m, denom, value=-step_size), i.e. w + (value * m) / denom in fp32.
+        if neg_step_size.device.type == "cpu":
+            # The packed-scalar overload reads the step sizes from host memory: one fused pass,
+            # free on CPU (on an accelerator the same read would be a sync).
+            torch._foreach_addcdiv_(weights, exp_avgs, denom, neg_step_size)
+        else:
+            update = torch._foreach_mul(exp_avgs, list(neg_step_size.float().unbind()))
+            torch._foreach_addcdiv_(weights, update, denom)
+
+        # Store. The moments used above were the FP32 values; only storage rounds them.
+        low_m = [m for m, s in zip(exp_avgs, states) if "exp_avg_scale_inv" in s]
+        quantize_into_(
+            low_m,
+            [s["exp_avg"] for s in m_low],
+            [s["exp_avg_scale_inv"] for s in m_low],
+            torch.finfo(torch.float8_e4m3fn).max,
+            pow2=False,
+        )
+        low_v = [v for v, s in zip(exp_avg_sqs, states) if "exp_avg_sq_scale_inv" in s]
+        quantize_into_(
+            low_v,
+            [s["exp_avg_sq"] for s in v_low],
+            [s["exp_avg_sq_scale_inv"] for s in v_low],
+            FP16_MAX,
+            pow2=True,
+        )
+        self._store_weights(items, weights)
+
+    @staticmethod
+    def _weight_fp32(p: torch.Tensor, kind: str, state: dict) -> torch.Tensor:
+        if kind == "fp8":
+            return dequantize([state["master"]], [state["master_scale_inv"]])[0]
+        if kind == "fp16":
+            return weight_value(p)
+        return p if p.dtype == torch.float32 else p.float()  # an FP32 param is updated in place
+
+    @staticmethod
+    def _moment_fp32(states: list[dict], key: str) -> list[torch.Tensor]:
+        scale_key = f"{key}_scale_inv"
+        low = [s for s in states if scale_key in s]
+        values = iter(dequantize([s[key] for s in low], [s[scale_key] for s in low]))
+        return [next(values) if scale_key in s else s[key] for s in states]
+
+    @staticmethod
+    def _store_weights(items: list, weights: list[torch.Tensor]) -> None:
+        fp16_vals, fp16_datas, fp16_scales = [], [], []  # O1/O2 weights and O3 masters
+        fp8_params = []
+        for (p, kind, _, state), w in zip(items, weights):
+            if kind == "fp16":
+                data, scale_inv = p, p.scale_inv
+            elif kind == "fp8":
+                data, scale_inv = state["master"], state["master_scale_inv"]
+                fp8_params.append((p, state))
+            else:
+                if p.dtype != torch.float32:
+                    p.copy_(w)
+                continue
+            fp16_vals.append(w)
+            fp16_datas.append(data)
+            fp16_scales.append(scale_inv)
+        quantize_into_(fp16_vals, fp16_datas, fp16_scales, FP16_MAX, pow2=True)
+        # O3: the FP8 weight is the E4M3 rounding of the stored master (power-of-two scale, as
+        # fp8train.Linear quantises its weight), so a checkpointed master reproduces it.
+        for dtype in {p.dtype for p, _ in fp8_params}:
+            same = [(p, s) for p, s in fp8_params if p.dtype == dtype]
+            quantize_into_(
+                dequantize(
+                    [s["master"] for _, s in same], [s["master_scale_inv"] for _, s in same]
+                ),
+                [p for p, _ in same],
+                [p.scale_inv for p, _ in same],
+                torch.finfo(dtype).max,
+                pow2=True,
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                slot = getattr(p, "main_grad", None)
+                if isinstance(slot, Fp8GradSlot):
+                    slot.zero_()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch, but states keep their saved dtypes (torch would cast them to the param's:
+        an FP8 moment of an FP32 parameter would become FP32, a scale of an FP16 one FP16)."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if saved is not None:
+                self.state[p] = {
+                    k: v.to(device=p.device, copy=True) if torch.is_tensor(v) else v
+                    for k, v in saved.items()
+                }
+
+    def bytes_by_role(self) -> dict[str, int]:
+        """Bytes of optimizer state actually held: {"master": ..., "optimizer": ...}.
+
+        "master": O3's FP16 masters and their scales. "optimizer": moments, their scales and
+        the step counters (12 bytes per tensor beyond the moments themselves).
+        """
+        out = {"master": 0, "optimizer": 0}
+        for state in self.state.values():
+            for key, t in state.items():
+                if torch.is_tensor(t):
+                    role = "master" if key.startswith("master") else "optimizer"
+                    out[role] += t.numel() * t.element_size()
+        return out
