@@ -69,6 +69,20 @@ def _bias_corrections(steps: list[torch.Tensor], lr, beta1: float, beta2: float)
     return neg_step_size, list(bc2_sqrt.unbind())
 
 
+def _add_update_(weights, exp_avgs, denom, neg_step_size: torch.Tensor, packed: bool) -> None:
+    """``w += (-step_size * m) / denom``: torch's ``addcdiv_(m, denom, value=-step_size)``.
+
+    ``packed``: the overload that reads a vector of step sizes from host memory, one fused pass;
+    only for CPU tensors (on an accelerator that read would be a sync). Otherwise the products
+    are formed first, which rounds identically.
+    """
+    if packed:
+        torch._foreach_addcdiv_(weights, exp_avgs, denom, neg_step_size)
+    else:
+        update = torch._foreach_mul(exp_avgs, list(neg_step_size.float().unbind()))
+        torch._foreach_addcdiv_(weights, update, denom)
+
+
 class LowBitAdamW(torch.optim.Optimizer):
     """AdamW with FP32 or low-bit moments (m: FP32 | FP8 E4M3, v: FP32 | FP16) and FP16 masters.
 
@@ -155,14 +169,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        # torch: addcdiv_(m, denom, value=-step_size), i.e. w + (value * m) / denom in fp32.
-        if neg_step_size.device.type == "cpu":
-            # The packed-scalar overload reads the step sizes from host memory: one fused pass,
-            # free on CPU (on an accelerator the same read would be a sync).
-            torch._foreach_addcdiv_(weights, exp_avgs, denom, neg_step_size)
-        else:
-            update = torch._foreach_mul(exp_avgs, list(neg_step_size.float().unbind()))
-            torch._foreach_addcdiv_(weights, update, denom)
+        _add_update_(weights, exp_avgs, denom, neg_step_size, neg_step_size.device.type == "cpu")
 
         # Store. The moments used above were the FP32 values; only storage rounds them.
         low_m = [m for m, s in zip(exp_avgs, states) if "exp_avg_scale_inv" in s]

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8train.formats import E4M3
 from fp8train.low_precision import Fp8GradSlot, ScaledTensor
-from fp8train.optim import LowBitAdamW
+from fp8train.optim import LowBitAdamW, _add_update_
 
 FP8 = E4M3.dtype
 O2 = dict(exp_avg_dtype=FP8, exp_avg_sq_dtype=torch.float16)
@@ -93,6 +93,21 @@ def test_fp32_bit_identical_to_torch_adamw():
             assert torch.equal(a, b)
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(opt.state[a][key], opt_ref.state[b][key].to(a.device))
+
+
+def test_update_paths_agree():
+    """The packed-scalar update (CPU) and the one accelerators use round identically."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,)]
+    ws = [torch.randn(s, generator=gen) for s in shapes]
+    ms = [torch.randn(s, generator=gen) for s in shapes]
+    ds = [torch.rand(s, generator=gen) + 1e-3 for s in shapes]
+    step_sizes = -torch.rand(2, dtype=torch.float64, generator=gen) * 1e-2
+    a, b = [w.clone() for w in ws], [w.clone() for w in ws]
+    _add_update_(a, ms, ds, step_sizes, packed=True)
+    _add_update_(b, ms, ds, step_sizes, packed=False)
+    for x, y, w in zip(a, b, ws):
+        assert torch.equal(x, y) and not torch.equal(x, w)
 
 
 def _regression(make_opt, steps=100):

@@ -28,7 +28,7 @@ def _train(data, run_dir, level, **extra):
     return pretrain(cfg)
 
 
-@pytest.mark.parametrize("level", ["te", "bf16", "fp16"])
+@pytest.mark.parametrize("level", ["te", "bf16", "fp16", "O1", "O2", "O3"])
 def test_resume_gives_identical_losses(tiny_data, tmp_path, level):
     straight = tmp_path / "straight"
     _train(tiny_data, straight, level)
@@ -92,3 +92,16 @@ def test_bf16_bytes_per_param(tiny_data, tmp_path):
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     # BF16 weights (2) + FP32 main grads (4) + FP32 masters (4) + Adam m, v (8).
     assert rec["bytes-per-param"] == pytest.approx(18.0)
+
+
+@pytest.mark.parametrize(("level", "linear_bytes"), [("O1", 11.0), ("O2", 6.0), ("O3", 7.0)])
+def test_low_bit_levels_bytes_per_linear_param(tiny_data, tmp_path, level, linear_bytes):
+    _train(
+        tiny_data, tmp_path, level, **{"training.train_iters": 1, "optimizer.lr_warmup_iters": 0}
+    )
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    roles = rec["bytes-per-param-by-role"]
+    # Measured from the live tensors: weight + FP8 grad + master + Adam moments, plus 4-byte
+    # per-tensor scales (a few parts per million here).
+    assert roles["linear/total"] == pytest.approx(linear_bytes, abs=1e-3)
+    assert roles["other/total"] == pytest.approx(16.0, abs=1e-3)  # FP32 embeddings/norms/biases

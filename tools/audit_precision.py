@@ -1,8 +1,8 @@
 """Precision audit from the command line: build the configured GPT at each level, take one real
 optimizer step on random tokens, and print what every tensor role actually is next to the table.
 
-    .venv/bin/python tools/audit_precision.py --config configs/gpt_tiny.yaml --levels te O2
-    .venv/bin/python tools/audit_precision.py --config configs/gpt_tiny.yaml --levels all
+    .venv/bin/python tools/audit_precision.py --config configs/gpt_tiny.yaml --levels te,O2
+    .venv/bin/python tools/audit_precision.py --levels all model.num_layers=2
 
 With several levels it ends with the bytes-per-parameter table (linear weights, one rank)
 measured from the live tensors beside the theoretical value. Exits 1 if any role mismatches.
@@ -67,10 +67,10 @@ def audit_level(cfg, level: str, steps: int = 1):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
-    parser.add_argument("--levels", nargs="+", default=["all"], help="levels, or 'all'")
+    parser.add_argument("--levels", default="all", help="comma-separated levels, or 'all'")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    levels = list(LEVELS) if args.levels == ["all"] else args.levels
+    levels = list(LEVELS) if args.levels == "all" else args.levels.split(",")
     try:
         cfg = load_config(args.config, args.overrides)
         for level in levels:

@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- bench_levels:begin -->", "<!-- bench_levels:end -->"
+def _markers(section: str) -> tuple[str, str]:
+    tag = f"bench_levels:{section}" if section else "bench_levels"
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
 
 
 def _finished(metrics: Path, iters: int) -> bool:
@@ -110,7 +112,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_section(doc: Path, body: str) -> None:
+def write_section(doc: Path, body: str, section: str = "") -> None:
+    BEGIN, END = _markers(section)  # noqa: N806
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = f"{BEGIN}\n{body}\n{END}"
     if BEGIN in text:
@@ -131,6 +134,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_levels")
     parser.add_argument("--write", help="markdown file to put the table into")
     parser.add_argument("--plot", help="PNG file for the loss curves")
+    parser.add_argument("--section", default="", help="name of the block to replace in --write")
     parser.add_argument(
         "--reuse",
         action="store_true",
@@ -156,7 +160,7 @@ def main() -> None:
         if args.plot:
             rel = os.path.relpath(REPO / args.plot, (REPO / args.write).parent)
             body += f"\n\n![training loss per level]({rel})"
-        write_section(REPO / args.write, body)
+        write_section(REPO / args.write, body, args.section)
 
 
 if __name__ == "__main__":
