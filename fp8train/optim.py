@@ -35,6 +35,7 @@ from itertools import chain
 
 import torch
 
+from .formats import E4M3
 from .low_precision import FP16_MAX, Fp8GradSlot
 from .optim_states import (
     EXP_AVG_DTYPES,
@@ -152,8 +153,6 @@ class LowBitAdamW(torch.optim.Optimizer):
         grads = [g for _, _, g, _ in items]
         states = [s for _, _, _, s in items]
         weights = [self._weight_fp32(p, kind, s) for p, kind, _, s in items]
-        m_low = [s for s in states if "exp_avg_scale_inv" in s]
-        v_low = [s for s in states if "exp_avg_sq_scale_inv" in s]
         exp_avgs = self._moment_fp32(states, "exp_avg")
         exp_avg_sqs = self._moment_fp32(states, "exp_avg_sq")
         steps = [s["step"] for s in states]
@@ -172,22 +171,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         _add_update_(weights, exp_avgs, denom, neg_step_size, neg_step_size.device.type == "cpu")
 
         # Store. The moments used above were the FP32 values; only storage rounds them.
-        low_m = [m for m, s in zip(exp_avgs, states) if "exp_avg_scale_inv" in s]
-        quantize_into_(
-            low_m,
-            [s["exp_avg"] for s in m_low],
-            [s["exp_avg_scale_inv"] for s in m_low],
-            torch.finfo(torch.float8_e4m3fn).max,
-            pow2=False,
-        )
-        low_v = [v for v, s in zip(exp_avg_sqs, states) if "exp_avg_sq_scale_inv" in s]
-        quantize_into_(
-            low_v,
-            [s["exp_avg_sq"] for s in v_low],
-            [s["exp_avg_sq_scale_inv"] for s in v_low],
-            FP16_MAX,
-            pow2=True,
-        )
+        self._store_moments(states, exp_avgs, "exp_avg", E4M3.max, pow2=False)
+        self._store_moments(states, exp_avg_sqs, "exp_avg_sq", FP16_MAX, pow2=True)
         self._store_weights(items, weights)
 
     @staticmethod
@@ -204,6 +189,18 @@ class LowBitAdamW(torch.optim.Optimizer):
         low = [s for s in states if scale_key in s]
         values = iter(dequantize([s[key] for s in low], [s[scale_key] for s in low]))
         return [next(values) if scale_key in s else s[key] for s in states]
+
+    @staticmethod
+    def _store_moments(states, values, key: str, max_value: float, pow2: bool) -> None:
+        scale_key = f"{key}_scale_inv"
+        low = [(v, s) for v, s in zip(values, states) if scale_key in s]
+        quantize_into_(
+            [v for v, _ in low],
+            [s[key] for _, s in low],
+            [s[scale_key] for _, s in low],
+            max_value,
+            pow2,
+        )
 
     @staticmethod
     def _store_weights(items: list, weights: list[torch.Tensor]) -> None:
