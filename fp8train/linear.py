@@ -36,27 +36,44 @@ __all__ = ["Fp8LinearFunction", "Linear"]
 ROLES = ("input", "weight", "grad_output")
 
 
-def _quantize(x: torch.Tensor, state: ScalingState, update: bool) -> Float8Tensor:
+def _quantize(
+    x: torch.Tensor, state: ScalingState, update: bool, health=None, role: str = ""
+) -> Float8Tensor:
     scale = state.scale_for(x.detach().abs().amax(), update=update)
-    return Float8Tensor.quantize(x.detach(), state.fmt, scale)
+    q = Float8Tensor.quantize(x.detach(), state.fmt, scale)
+    if health is not None:
+        _record_health(health, role, x.detach(), q)
+    return q
+
+
+def _record_health(health: dict, role: str, x: torch.Tensor, q: Float8Tensor) -> None:
+    """Fractions of ``x`` lost to the FP8 cast: nonzero values flushed to zero (underflow) and
+    values pinned at the format's max (saturation). Tensors, so recording never syncs."""
+    stored = q.data.float()
+    nonzero = x != 0
+    flushed = (nonzero & (stored == 0)).sum()
+    health[f"{role}_underflow"] = flushed / nonzero.sum().clamp(min=1)
+    health[f"{role}_saturated"] = (stored.abs() == q.fmt.max).float().mean()
 
 
 class Fp8LinearFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` with all three GEMMs in FP8. x is 2-D [M, K]; W [N, K]; b [N] or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, x_state, w_state, g_state, update, w_scale_inv, grad_slot):
-        x8 = _quantize(x, x_state, update)
+    def forward(
+        ctx, x, weight, bias, x_state, w_state, g_state, update, w_scale_inv, grad_slot, health
+    ):
+        x8 = _quantize(x, x_state, update, health, "input")
         if weight.dtype == E4M3.dtype:  # O3: the stored weight already is FP8 with its scale
             w8 = Float8Tensor(weight.detach(), w_scale_inv, E4M3)
         else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
             w_hp = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
-            w8 = _quantize(w_hp, w_state, update)
+            w8 = _quantize(w_hp, w_state, update, health, "weight")
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
-        ctx.g_state, ctx.update, ctx.grad_slot = g_state, update, grad_slot
+        ctx.g_state, ctx.update, ctx.grad_slot, ctx.health = g_state, update, grad_slot, health
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
@@ -68,7 +85,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = db = None
         if need_x or need_w:
-            g8 = _quantize(g, ctx.g_state, ctx.update)
+            g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output")
             if need_x:
                 dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype)  # [M,N]·[N,K]
             if need_w:
@@ -81,7 +98,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                     dw = None
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -114,6 +131,10 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.fp8 = recipe is not None and recipe.fp8_gemm
         self.scaling = (scaling or ScalingRecipe()) if self.fp8 else None
+        # Cast health (underflow/saturation fractions) is measured only while track_health is
+        # set, e.g. for one micro-batch of a logging step: it costs a pass over each tensor.
+        self.track_health = False
+        self.health: dict[str, torch.Tensor] = {}
         if self.fp8:
             self.fp8_input = ScalingState(E4M3, self.scaling, device)
             self.fp8_weight = ScalingState(E4M3, self.scaling, device)
@@ -190,23 +211,25 @@ class Linear(nn.Module):
             self.training,
             getattr(self, "weight_scale_inv", None),
             getattr(self.weight, "main_grad", None) if self.lowered else None,
+            self.health if self.track_health else None,
         )
         return y.reshape(*lead, self.out_features)
 
     @torch.no_grad()
     def fp8_stats(self) -> dict[str, float]:
-        """Latest amax and scale of each role, e.g. {"input_amax": ..., "input_scale": ...}.
+        """Latest amax and scale of each role, e.g. {"input_amax": ..., "input_scale": ...},
+        plus ``<role>_underflow`` / ``<role>_saturated`` after a pass with ``track_health``.
 
-        For logging only: one device-to-host copy for all six numbers.
+        For logging only: one device-to-host copy for all the numbers.
         """
         states = self.fp8_states()
         if not states:
             return {}
-        values = torch.stack(
-            [t for s in states.values() for t in (s.amax_history[0], s.scale)]
-        ).tolist()
+        tensors = [t for s in states.values() for t in (s.amax_history[0], s.scale)]
         keys = [f"{role}_{what}" for role in states for what in ("amax", "scale")]
-        return dict(zip(keys, values))
+        keys += list(self.health)  # underflow/saturation fractions of the last tracked pass
+        tensors += [t.float() for t in self.health.values()]
+        return dict(zip(keys, torch.stack(tensors).tolist()))
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -83,6 +83,24 @@ def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):
     } <= tags
     amax = [e.value for e in acc.Scalars("fp8/layers.0.attention.qkv/input_amax")]
     assert len(amax) == 6 and all(a > 0 for a in amax)
+    # Cast health: fractions in [0, 1]; gradients in E5M2 with a per-tensor scale lose a little
+    # to underflow, and delayed scaling saturates at most a sliver of the input.
+    for role in ("input", "weight", "grad_output"):
+        for what in ("underflow", "saturated"):
+            values = [e.value for e in acc.Scalars(f"fp8/layers.0.mlp.fc1/{role}_{what}")]
+            assert len(values) == 6 and all(0.0 <= v <= 1.0 for v in values), (role, what)
+    under = acc.Scalars("fp8/layers.0.mlp.fc1/grad_output_underflow")[-1].value
+    assert under < 0.5
+
+
+def test_fp8_health_interval(tiny_data, tmp_path):
+    _train(tiny_data, tmp_path, "O2", **{"logging.fp8_stats_interval": 3})
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("fp8/layers.1.attention.proj/input_saturated")]
+    assert steps == [3, 6]
 
 
 def test_bf16_bytes_per_param(tiny_data, tmp_path):

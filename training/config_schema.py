@@ -403,6 +403,12 @@ class LoggingConfig(_Section):
         None, "Peak TFLOP/s for MFU; null = the GPU's known dense peak (measured on CPU).", gt=0
     )
     log_fp8_stats: bool = _f(True, "Log FP8 amax/scale and overflow/underflow statistics.")
+    fp8_stats_interval: int | None = _f(
+        None,
+        "Iterations between per-layer FP8 health logs (amax, scale, underflow and saturation "
+        "fractions); null = logging.interval.",
+        ge=1,
+    )
 
 
 @dataclass(frozen=True)

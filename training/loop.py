@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
+from fp8train.linear import Linear
 from parallel.data_parallel import reduce_gradients
 from training.checkpointing import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from training.config import Config, ConfigError, config_to_dict
@@ -54,18 +55,29 @@ def _allreduce_sum(values: torch.Tensor, group) -> torch.Tensor:
     return values
 
 
-def train_step(state: RunState, data_iter, n_micro: int) -> dict:
-    """One optimizer step over ``n_micro`` micro-batches. Returns step statistics."""
+def _track_health(model, on: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear) and module.fp8:
+            module.track_health = on
+
+
+def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -> dict:
+    """One optimizer step over ``n_micro`` micro-batches. Returns step statistics.
+
+    ``health``: measure FP8 cast underflow/saturation on the last micro-batch (for logging).
+    """
     opt, scaler = state.optimizer, state.scaler
     loss_sum = torch.zeros((), device=state.device)
     tokens = torch.zeros((), device=state.device)
-    for _ in range(n_micro):
+    for micro in range(n_micro):
+        _track_health(state.model, health and micro == n_micro - 1)
         batch = _to_device(next(data_iter), state.device)
         total, count = _forward_loss(state, batch)
         # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
         scaler.scale(total / count.clamp(min=1) / n_micro).backward()
         loss_sum += total.detach()
         tokens += count
+    _track_health(state.model, False)
     grads, slots = opt.grads(), opt.grad_slots()
     state.meter.reset_step()
     reduce_gradients(grads, slots, state.groups.data, state.meter)
@@ -96,6 +108,7 @@ def train_step(state: RunState, data_iter, n_micro: int) -> dict:
     # (the "1 byte per element" claim), and of every gradient together.
     fp8_bytes = sum(v for k, v in comm.items() if "fp8" in k)
     stats["comm"] = comm
+    stats["fp8_logged"] = health
     stats["wire"] = fp8_bytes / fp8_elements if fp8_elements else None
     stats["wire_all"] = sum(comm.values()) / max(all_elements, 1)
     return stats
@@ -264,8 +277,22 @@ def pretrain(cfg: Config) -> dict:
     interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
     last = {}
     start_time = time.time()
+    printed_bytes = False
     while iteration < t.train_iters:
-        stats = train_step(state, data_iter, n_micro)
+        health_every = log.fp8_stats_interval or log.interval
+        fp8_log = (
+            log.log_fp8_stats and state.recipe.fp8_gemm and (iteration + 1) % health_every == 0
+        )
+        stats = train_step(state, data_iter, n_micro, health=fp8_log)
+        if not printed_bytes and state.bytes_per_param:
+            printed_bytes = True
+            _print(logs, "> model-state bytes per parameter (this rank): " + _bytes_line(state))
+        if fp8_log and logs:  # per-layer FP8 health: amax, scale, underflow, saturation
+            fp8 = state.model.fp8_stats()
+            writer.scalars(
+                iteration + 1,
+                {f"fp8/{layer}/{k}": v for layer, roles in fp8.items() for k, v in roles.items()},
+            )
         iteration += 1
         consumed += t.global_batch_size
         counters["skipped"] += int(stats["skipped"])
@@ -308,6 +335,16 @@ def pretrain(cfg: Config) -> dict:
             break
     writer.close()
     return {"iteration": iteration, "consumed_samples": consumed, **last}
+
+
+def _bytes_line(state: RunState) -> str:
+    parts = []
+    for category, roles in state.bytes_per_param.items():
+        detail = ", ".join(
+            f"{r} {roles[r]:.2f}" for r in ("weights", "grads", "master", "optimizer")
+        )
+        parts.append(f"{category} {roles['total']:.2f} ({detail})")
+    return " | ".join(parts)
 
 
 def _log(
@@ -356,10 +393,6 @@ def _log(
             scalars[f"bytes-per-param/{role}"] = value
         for name, value in m["comm-bytes"].items():
             scalars[f"comm-bytes/{name}"] = value
-        if state.cfg.logging.log_fp8_stats and state.recipe.fp8_gemm:
-            for layer, roles in state.model.fp8_stats().items():
-                for key, value in roles.items():
-                    scalars[f"fp8/{layer}/{key}"] = value
         writer.scalars(iteration, scalars, samples=consumed)
         writer.record(m)
         writer.flush()
