@@ -32,7 +32,18 @@ from models.transformer import (
     linear_modules,
     make_norm,
     rotary_cos_sin,
+    tp_size,
 )
+from parallel.tensor_parallel.cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
+)
+from parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from parallel.tensor_parallel.mappings import gather_from_region
 
 __all__ = ["GPTConfig", "GPTModel", "pad_vocab_size"]
 
@@ -118,12 +129,34 @@ class GPTModel(nn.Module):
         scaling: ScalingRecipe | None = None,
         *,
         device: torch.device | str | None = None,
+        tp_group=None,
     ):
         super().__init__()
         self.config = config
         self.recipe = recipe
-        h = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
+        self.tp_group = tp_group if tp_size(tp_group) > 1 else None
+        if self.tp_group is None:
+            self._build(config, recipe, scaling, device)
+            if torch.device(device or "cpu").type != "meta":
+                self.init_weights()
+            return
+        # Tensor parallel: build the single-rank model with the caller's RNG (the very draws a
+        # TP=1 run makes), build the sharded structure under a forked RNG, and keep this rank's
+        # slices, so TP=N starts from exactly the TP=1 weights and the RNG stream after
+        # construction is the same as at TP=1. Costs one full model's memory, transiently.
+        full = GPTModel(config, recipe, scaling, device=device)
+        with torch.random.fork_rng(devices=[]):
+            self._build(config, recipe, scaling, device)
+        self._load_full(full)
+
+    def _build(self, config, recipe, scaling, device) -> None:
+        h, group = config.hidden_size, self.tp_group
+        if group is None:
+            self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
+        else:
+            self.word_embeddings = VocabParallelEmbedding(
+                config.vocab_size, h, group=group, device=device
+            )
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, h, device=device)
             if config.position_embedding_type == "learned_absolute"
@@ -131,18 +164,50 @@ class GPTModel(nn.Module):
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(
-            TransformerLayer(config, recipe, scaling, causal=True, device=device)
+            TransformerLayer(config, recipe, scaling, causal=True, device=device, tp_group=group)
             for _ in range(config.num_layers)
         )
         self.final_norm = make_norm(config, device=device)
         # recipe=None: the head stays in higher precision (module docstring).
-        self.output_layer = (
-            Linear(h, config.vocab_size, bias=False, recipe=None, device=device)
-            if config.untie_embeddings_and_output_weights
-            else None
-        )
-        if torch.device(device or "cpu").type != "meta":
-            self.init_weights()
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            if group is None:
+                self.output_layer = Linear(h, config.vocab_size, False, recipe=None, device=device)
+            else:
+                self.output_layer = ColumnParallelLinear(
+                    h, config.vocab_size, group=group, bias=False, device=device
+                )
+
+    @torch.no_grad()
+    def _load_full(self, full: GPTModel) -> None:
+        """Copy this rank's slice of every parameter of the single-rank model ``full``."""
+        handled: set[str] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                ref = full.get_submodule(name)
+                module.load_full_(ref.weight, ref.bias)
+            elif isinstance(module, VocabParallelEmbedding):
+                module.load_full_(full.get_submodule(name).weight)
+            else:
+                continue
+            handled.update(f"{name}.{p}" for p, _ in module.named_parameters())
+        reference = dict(full.named_parameters())
+        for name, param in self.named_parameters():
+            if name not in handled:
+                param.copy_(reference[name])
+
+    def tensor_parallel_sharded(self) -> set[int]:
+        """ids of parameters split across the tensor-parallel group (the rest are replicated):
+        norms of gradients sum these over the group and count replicated ones once."""
+        if self.tp_group is None:
+            return set()
+        out: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                out.update(id(p) for p in module.parameters())
+            elif isinstance(module, RowParallelLinear):
+                out.add(id(module.weight))  # the row bias is added after the reduction: full
+        return out
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -178,6 +243,8 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary)  # [b, s, h]
         x = self.final_norm(x)  # [b, s, h]
+        if self.tp_group is not None:
+            return self._parallel_head(x, labels)
         if self.output_layer is not None:
             logits = self.output_layer(x)  # [b, s, V]
         else:
@@ -189,6 +256,19 @@ class GPTModel(nn.Module):
             logits.view(b * s, -1), labels.reshape(b * s), reduction="none"
         )  # [b*s]
         return loss.view(b, s)
+
+    def _parallel_head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Vocab-parallel head: each rank holds ``[b, s, V/tp]`` logits; the loss never gathers
+        the full vocabulary (logits are gathered only when asked for without labels)."""
+        group = self.tp_group
+        if self.output_layer is not None:
+            logits = self.output_layer(x)  # [b, s, V/tp]
+        else:
+            logits = vocab_parallel_logits(x, self.word_embeddings.weight, group)  # [b, s, V/tp]
+        logits = logits.float()
+        if labels is None:
+            return gather_from_region(logits, group, dim=-1)  # [b, s, V]
+        return vocab_parallel_cross_entropy(logits, labels, group)  # [b, s]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once). ``exclude_embeddings`` drops the word and

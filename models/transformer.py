@@ -37,6 +37,7 @@ from torch import nn
 from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "TransformerConfig",
@@ -50,10 +51,30 @@ __all__ = [
     "linear_modules",
     "collect_fp8_stats",
     "init_transformer_weights",
+    "tp_size",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
+
+
+def tp_size(group) -> int:
+    """Ranks in a tensor-parallel group (None: no tensor parallelism)."""
+    return 1 if group is None else group.size()
+
+
+def _column(in_f, out_f, bias, lin: dict, tp_group, blocks: int = 1):
+    """The output-splitting GEMM: an fp8train Linear, or its column-parallel shard under TP."""
+    if tp_size(tp_group) == 1:
+        return Linear(in_f, out_f, bias, **lin)
+    return ColumnParallelLinear(in_f, out_f, group=tp_group, bias=bias, blocks=blocks, **lin)
+
+
+def _row(in_f, out_f, bias, lin: dict, tp_group):
+    """The input-splitting GEMM (its output all-reduced over the tensor-parallel group)."""
+    if tp_size(tp_group) == 1:
+        return Linear(in_f, out_f, bias, **lin)
+    return RowParallelLinear(in_f, out_f, group=tp_group, bias=bias, **lin)
 
 
 @dataclass(kw_only=True)
@@ -174,18 +195,24 @@ class SelfAttention(nn.Module):
         *,
         causal: bool = True,
         device=None,
+        tp_group=None,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_groups = config.num_query_groups
+        # Under tensor parallelism each rank owns whole query groups (the QKV layout makes a
+        # contiguous column split do exactly that): local head and group counts.
+        tp = tp_size(tp_group)
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
         self.causal = causal
         self.dropout_p = config.attention_dropout
-        qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim
+        qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim * tp
         bias = config.add_bias_linear
         lin = dict(recipe=recipe, scaling=scaling, device=device)
-        self.qkv = Linear(config.hidden_size, qkv_out, bias, **lin)
-        self.proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias, **lin)
+        self.qkv = _column(config.hidden_size, qkv_out, bias, lin, tp_group)
+        self.proj = _row(
+            self.num_heads * self.head_dim * tp, config.hidden_size, bias, lin, tp_group
+        )
 
     def forward(
         self,
@@ -236,14 +263,17 @@ class MLP(nn.Module):
         scaling: ScalingRecipe | None = None,
         *,
         device=None,
+        tp_group=None,
     ):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         f = config.ffn_hidden_size
         bias = config.add_bias_linear
         lin = dict(recipe=recipe, scaling=scaling, device=device)
-        self.fc1 = Linear(config.hidden_size, 2 * f if self.swiglu else f, bias, **lin)
-        self.fc2 = Linear(f, config.hidden_size, bias, **lin)
+        # SwiGLU: each rank takes a slice of the gate half and the matching slice of the up half.
+        fc1_out, blocks = (2 * f, 2) if self.swiglu else (f, 1)
+        self.fc1 = _column(config.hidden_size, fc1_out, bias, lin, tp_group, blocks)
+        self.fc2 = _row(f, config.hidden_size, bias, lin, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [b, s, f] or [b, s, 2f]
@@ -266,12 +296,14 @@ class TransformerLayer(nn.Module):
         *,
         causal: bool = True,
         device=None,
+        tp_group=None,
     ):
         super().__init__()
+        tp = dict(device=device, tp_group=tp_group)
         self.input_norm = make_norm(config, device=device)
-        self.attention = SelfAttention(config, recipe, scaling, causal=causal, device=device)
+        self.attention = SelfAttention(config, recipe, scaling, causal=causal, **tp)
         self.post_attention_norm = make_norm(config, device=device)
-        self.mlp = MLP(config, recipe, scaling, device=device)
+        self.mlp = MLP(config, recipe, scaling, **tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(

@@ -77,13 +77,12 @@ class Topology:
                 groups.append([base + self.tensor * dp for dp in range(self.data)])
         return groups
 
+    def tensor_parallel_ranks(self) -> list[list[int]]:
+        """Every tensor-parallel group: adjacent ranks that differ only in their tp coordinate."""
+        return [list(range(b, b + self.tensor)) for b in range(0, self.world_size, self.tensor)]
+
     def require_supported(self) -> None:
-        """TP and PP arrive with later work: say so rather than mis-train."""
-        if self.tensor > 1:
-            raise TopologyError(
-                f"parallel.tensor={self.tensor}: tensor parallelism is not implemented yet; "
-                "use parallel.tensor=1"
-            )
+        """PP arrives with later work: say so rather than mis-train."""
         if self.pipeline > 1:
             raise TopologyError(
                 f"parallel.pipeline={self.pipeline}: pipeline parallelism is not implemented "
@@ -93,10 +92,11 @@ class Topology:
 
 @dataclass
 class ProcessGroups:
-    """Process groups of one rank. ``data`` is None when there is one data-parallel rank."""
+    """Process groups of one rank; a group is None where its dimension has one rank."""
 
     topology: Topology
     data: dist.ProcessGroup | None = None
+    tensor: dist.ProcessGroup | None = None
     world: dist.ProcessGroup | None = None
 
 
@@ -121,10 +121,15 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
             kwargs = {"device_id": device} if backend == "nccl" else {}
             dist.init_process_group(backend=backend, **kwargs)
         groups.world = dist.group.WORLD
+        # new_group is collective: every rank creates every group, in the same order.
         for ranks in topology.data_parallel_ranks():
             group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
             if rank in ranks and len(ranks) > 1:
                 groups.data = group
+        for ranks in topology.tensor_parallel_ranks():
+            group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
+            if rank in ranks and len(ranks) > 1:
+                groups.tensor = group
     return groups, device
 
 

@@ -29,7 +29,12 @@ def test_data_parallel_groups_cover_every_rank_once():
     assert [0, 2] in groups and [5, 7] in groups
 
 
+def test_tensor_groups_are_adjacent_ranks():
+    t = Topology(world_size=8, rank=0, tensor=2, pipeline=1)
+    assert t.tensor_parallel_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def test_unsupported_parallelism_says_not_implemented():
     with pytest.raises(TopologyError, match="not implemented yet"):
-        Topology(world_size=2, rank=0, tensor=2).require_supported()
-    Topology(world_size=4, rank=3).require_supported()  # pure data parallel is fine
+        Topology(world_size=2, rank=0, pipeline=2).require_supported()
+    Topology(world_size=4, rank=3, tensor=2).require_supported()  # TP x DP is fine

@@ -5,7 +5,8 @@ Layout of ``checkpoint.dir``::
     latest                    one line: the name of the newest complete checkpoint
     iter_0000100/
         model.safetensors     model state (FP8 scaling buffers included); data-parallel rank 0
-        optimizer.safetensors optimizer states and FP32 masters; data-parallel rank 0
+        optimizer.safetensors optimizer states and masters; data-parallel rank 0
+                              (under tensor parallelism one pair per slice: model_tp{t}...)
         rng_rank{r}.safetensors  each rank's RNG states (dropout streams differ per rank later)
         metadata.json         config, iteration, consumed samples, scheduler, loss scaler, ...
 
@@ -80,8 +81,13 @@ def save_checkpoint(
     rank: int,
     writes_replicated: bool,
     keep_last: int = 2,
+    shard: str = "",
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+    """Collective: every rank calls it. Returns the final checkpoint path.
+
+    ``shard`` names this rank's model slice in the file names (``model_tp1.safetensors``
+    under tensor parallelism); data-parallel replicas write nothing (``writes_replicated``).
+    """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
     tmp = root / f".tmp_{name}"
@@ -92,8 +98,8 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
     if writes_replicated:
-        save_file(_own_tensors(model_state), str(tmp / "model.safetensors"))
-        save_file(_own_tensors(optimizer_state), str(tmp / "optimizer.safetensors"))
+        save_file(_own_tensors(model_state), str(tmp / f"model{shard}.safetensors"))
+        save_file(_own_tensors(optimizer_state), str(tmp / f"optimizer{shard}.safetensors"))
     save_file(_own_tensors(rng_state_tensors(device)), str(tmp / f"rng_rank{rank}.safetensors"))
     if rank == 0:
         meta = dict(metadata, iteration=iteration, format_version=FORMAT_VERSION)
@@ -131,7 +137,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, rank: int) -> LoadedCheckpoint:
+def load_checkpoint(path: str | os.PathLike, rank: int, shard: str = "") -> LoadedCheckpoint:
     """Read one checkpoint (any rank). Missing or corrupt files raise naming the file."""
     path = Path(path)
 
@@ -158,7 +164,7 @@ def load_checkpoint(path: str | os.PathLike, rank: int) -> LoadedCheckpoint:
     return LoadedCheckpoint(
         path=path,
         metadata=metadata,
-        model=read(path / "model.safetensors"),
-        optimizer=read(path / "optimizer.safetensors"),
+        model=read(path / f"model{shard}.safetensors"),
+        optimizer=read(path / f"optimizer{shard}.safetensors"),
         rng=read(rng_file) if rng_file.exists() else {},
     )

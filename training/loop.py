@@ -91,7 +91,13 @@ def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -
         for slot in slots:
             slot.mul_(unscale)  # exact: only the FP8 slot's scale changes
     stats = {}
-    grad_norm = clip_grad_norm(grads, state.cfg.training.clip_grad, slots)
+    grad_norm = clip_grad_norm(
+        grads,
+        state.cfg.training.clip_grad,
+        slots,
+        tp_group=state.groups.tensor,
+        sharded=opt.sharded_flags(),
+    )
     norm = float(grad_norm)
     finite = math.isfinite(norm)
     if finite:
@@ -154,6 +160,12 @@ def _check_compatible(cfg: Config, saved: dict, path) -> None:
                 raise ConfigError(
                     f"config: {section}.{key}={value!r} but checkpoint {path} has {old!r}"
                 )
+    old_tp = saved["config"]["parallel"]["tensor"]
+    if old_tp != cfg.parallel.tensor:
+        raise ConfigError(
+            f"config: parallel.tensor={cfg.parallel.tensor} but checkpoint {path} was saved with "
+            f"{old_tp} (resharding checkpoints is not implemented yet)"
+        )
     old_level = saved["config"]["precision"]["level"]
     if old_level != cfg.precision.level:
         raise ConfigError(
@@ -164,7 +176,7 @@ def _check_compatible(cfg: Config, saved: dict, path) -> None:
 
 def _restore(state: RunState, path) -> tuple[int, int]:
     topo = state.groups.topology
-    ckpt = load_checkpoint(path, topo.rank)
+    ckpt = load_checkpoint(path, topo.rank, _shard_name(topo))
     _check_compatible(state.cfg, ckpt.metadata, path)
     state.model.load_state_dict(ckpt.model, strict=True)
     state.optimizer.load_state_tensors(ckpt.optimizer)
@@ -195,9 +207,14 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         metadata=meta,
         device=state.device,
         rank=topo.rank,
-        writes_replicated=topo.rank == 0,
+        writes_replicated=topo.dp_rank == 0,
         keep_last=state.cfg.checkpoint.keep_last,
+        shard=_shard_name(topo),
     )
+
+
+def _shard_name(topo) -> str:
+    return f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
 
 
 def _peak(state: RunState) -> tuple[float, str]:
@@ -267,7 +284,7 @@ def pretrain(cfg: Config) -> dict:
         f"> fp8train: level {r.level} (GEMM {r.gemm}, grad comm {r.grad_comm}, weight {r.weight}, "
         f"master {r.master_weight or '-'}, weight grad {r.weight_grad}, Adam {r.adam_m}+{r.adam_v})"
         f" | world {topo.world_size} (tp {topo.tensor} pp {topo.pipeline} dp {topo.data}) | "
-        f"{n_params / 1e6:.2f}M parameters | {n_micro} micro-batches/step | "
+        f"{n_params / 1e6:.2f}M parameters on this rank | {n_micro} micro-batches/step | "
         f"fp8 gemm backend {state.gemm_backend} | MFU peak {peak:.3f} TFLOP/s ({peak_source})",
     )
     writer.text("config", f"```\n{config_to_dict(cfg)}\n```")

@@ -32,6 +32,10 @@ class TrainOptimizer:
     def __init__(self, model: torch.nn.Module, recipe: PrecisionRecipe, opt_cfg):
         self.recipe = recipe
         self.model_params = [p for p in model.parameters() if p.requires_grad]
+        # Tensor-parallel shards (their squared norms are summed over the group; replicated
+        # parameters count once). Read after lowering: lowered weights are new Parameters.
+        sharded = getattr(model, "tensor_parallel_sharded", set)()
+        self.sharded = [id(p) in sharded for p in self.model_params]
         names = {id(p): n for n, p in model.named_parameters()}
         self.use_master = recipe.has_fp32_master
         if self.use_master:
@@ -81,8 +85,21 @@ class TrainOptimizer:
 
     def grad_slots(self) -> list[Fp8GradSlot]:
         """FP8 weight gradients (O1-O3) that hold data this step."""
-        slots = (getattr(p, "main_grad", None) for p in self.model_params)
-        return [s for s in slots if isinstance(s, Fp8GradSlot) and s.has_data]
+        return [s for s, _ in self._slots_and_flags()]
+
+    def _slots_and_flags(self):
+        for p, sharded in zip(self.model_params, self.sharded):
+            slot = getattr(p, "main_grad", None)
+            if isinstance(slot, Fp8GradSlot) and slot.has_data:
+                yield slot, sharded
+
+    def sharded_flags(self) -> tuple[list[bool], list[bool]]:
+        """Which of ``grads()`` and of ``grad_slots()`` are tensor-parallel shards."""
+        if self.use_master:
+            grad_flags = list(self.sharded)
+        else:
+            grad_flags = [f for p, f in zip(self.model_params, self.sharded) if p.grad is not None]
+        return grad_flags, [f for _, f in self._slots_and_flags()]
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -176,23 +193,39 @@ def build_scheduler(
 
 
 def clip_grad_norm(
-    grads: list[torch.Tensor], max_norm: float, slots: list[Fp8GradSlot] = ()
+    grads: list[torch.Tensor],
+    max_norm: float,
+    slots: list[Fp8GradSlot] = (),
+    *,
+    tp_group=None,
+    sharded: tuple[list[bool], list[bool]] | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
     Returns the norm before clipping as a tensor; an overflowed FP8 slot (non-finite amax)
     makes it non-finite so the caller skips the step. Every gradient is clipped, FP8 ones
-    included (MS-AMP skips them): for a slot that is a change of its scale only.
+    included (MS-AMP skips them): for a slot that is a change of its scale only. Under tensor
+    parallelism ``sharded`` flags the shards (as ``TrainOptimizer.sharded_flags``): their
+    squares are summed over ``tp_group``, replicated gradients are counted once.
     """
-    norms = []
+    squares = []
     if grads:
-        norms += torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        squares += [n.square() for n in norms]
     for slot in slots:
         # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
-        norms.append(torch.linalg.vector_norm(slot.dequantize()) + 0.0 * slot.amax)
-    if not norms:
+        squares.append(torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax)
+    if not squares:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    squares = torch.stack(squares)
+    if tp_group is not None and tp_group.size() > 1:
+        flags = torch.tensor(sharded[0] + sharded[1], dtype=torch.bool, device=squares.device)
+        parts = torch.stack([squares[flags].sum(), squares[~flags].sum()])
+        shard_sum = parts[0:1].clone()
+        torch.distributed.all_reduce(shard_sum, group=tp_group)
+        total = (shard_sum[0] + parts[1]).sqrt()
+    else:
+        total = squares.sum().sqrt()
     if max_norm > 0 and math.isfinite(float(total)):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:

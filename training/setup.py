@@ -136,6 +136,11 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     )
     topo = groups.topology
     topo.require_supported()
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            "config: parallel.sequence_parallel=true: sequence parallelism is not implemented "
+            "yet (its layers exist, the model does not use them); use false"
+        )
     num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
 
     tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
@@ -145,7 +150,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
 
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     torch.manual_seed(cfg.training.seed)
-    model = GPTModel(model_config, recipe, _scaling(cfg)).to(device)
+    model = GPTModel(model_config, recipe, _scaling(cfg), tp_group=groups.tensor).to(device)
     if recipe.param_dtype != torch.float32:
         for p in model.parameters():  # parameters only: FP8 scaling buffers stay FP32
             p.data = p.data.to(recipe.param_dtype)
