@@ -43,7 +43,7 @@ from parallel.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from parallel.tensor_parallel.mappings import gather_from_region
+from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
 __all__ = ["GPTConfig", "GPTModel", "pad_vocab_size"]
 
@@ -130,11 +130,20 @@ class GPTModel(nn.Module):
         *,
         device: torch.device | str | None = None,
         tp_group=None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.config = config
         self.recipe = recipe
         self.tp_group = tp_group if tp_size(tp_group) > 1 else None
+        if sequence_parallel and self.tp_group is None:
+            raise ValueError("sequence parallelism needs a tensor-parallel group of 2+ ranks")
+        if sequence_parallel and config.seq_length % tp_size(tp_group):
+            raise ValueError(
+                f"model.seq_length={config.seq_length} is not divisible by parallel.tensor="
+                f"{tp_size(tp_group)} (sequence parallelism splits the sequence)"
+            )
+        self.sequence_parallel = sequence_parallel
         if self.tp_group is None:
             self._build(config, recipe, scaling, device)
             if torch.device(device or "cpu").type != "meta":
@@ -144,7 +153,7 @@ class GPTModel(nn.Module):
         # TP=1 run makes), build the sharded structure under a forked RNG, and keep this rank's
         # slices, so TP=N starts from exactly the TP=1 weights and the RNG stream after
         # construction is the same as at TP=1. Costs one full model's memory, transiently.
-        full = GPTModel(config, recipe, scaling, device=device)
+        full = GPTModel(config, recipe, scaling, device=device)  # single rank: no TP, no SP
         with torch.random.fork_rng(devices=[]):
             self._build(config, recipe, scaling, device)
         self._load_full(full)
@@ -163,11 +172,14 @@ class GPTModel(nn.Module):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        sp = self.sequence_parallel
         self.layers = nn.ModuleList(
-            TransformerLayer(config, recipe, scaling, causal=True, device=device, tp_group=group)
+            TransformerLayer(
+                config, recipe, scaling, device=device, tp_group=group, sequence_parallel=sp
+            )
             for _ in range(config.num_layers)
         )
-        self.final_norm = make_norm(config, device=device)
+        self.final_norm = make_norm(config, device=device, sp_group=group if sp else None)
         # recipe=None: the head stays in higher precision (module docstring).
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
@@ -175,7 +187,12 @@ class GPTModel(nn.Module):
                 self.output_layer = Linear(h, config.vocab_size, False, recipe=None, device=device)
             else:
                 self.output_layer = ColumnParallelLinear(
-                    h, config.vocab_size, group=group, bias=False, device=device
+                    h,
+                    config.vocab_size,
+                    group=group,
+                    bias=False,
+                    sequence_parallel=sp,
+                    device=device,
                 )
 
     @torch.no_grad()
@@ -237,6 +254,10 @@ class GPTModel(nn.Module):
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)  # [b, s, h]
         x = self.embedding_dropout(x)
+        if getattr(self, "sequence_parallel", False):
+            # From here to the head every rank holds its slice of the sequence: norms, dropout
+            # and residuals work on [b, s/tp, h]; the GEMM layers gather and scatter.
+            x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
         rotary = None
         if cfg.position_embedding_type == "rope":
             rotary = rotary_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base)
@@ -264,7 +285,9 @@ class GPTModel(nn.Module):
         if self.output_layer is not None:
             logits = self.output_layer(x)  # [b, s, V/tp]
         else:
-            logits = vocab_parallel_logits(x, self.word_embeddings.weight, group)  # [b, s, V/tp]
+            logits = vocab_parallel_logits(
+                x, self.word_embeddings.weight, group, sequence_parallel=self.sequence_parallel
+            )  # [b, s, V/tp]
         logits = logits.float()
         if labels is None:
             return gather_from_region(logits, group, dim=-1)  # [b, s, V]

@@ -26,6 +26,7 @@ GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,10 +39,14 @@ from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor_parallel.mappings import copy_to_region
+from parallel.tensor_parallel.random import get_tracker
 
 __all__ = [
     "TransformerConfig",
     "RMSNorm",
+    "SequenceParallelLayerNorm",
+    "SequenceParallelRMSNorm",
     "make_norm",
     "rotary_cos_sin",
     "apply_rotary",
@@ -63,18 +68,29 @@ def tp_size(group) -> int:
     return 1 if group is None else group.size()
 
 
-def _column(in_f, out_f, bias, lin: dict, tp_group, blocks: int = 1):
-    """The output-splitting GEMM: an fp8train Linear, or its column-parallel shard under TP."""
-    if tp_size(tp_group) == 1:
-        return Linear(in_f, out_f, bias, **lin)
-    return ColumnParallelLinear(in_f, out_f, group=tp_group, bias=bias, blocks=blocks, **lin)
+def _sharded_rng(active: bool):
+    """Dropout on tensors that differ per tensor-parallel rank (local heads, sequence shards)
+    draws from the per-rank stream, so shards get independent masks; replicated tensors keep the
+    default stream, identical on every rank."""
+    return get_tracker().fork() if active else contextlib.nullcontext()
 
 
-def _row(in_f, out_f, bias, lin: dict, tp_group):
-    """The input-splitting GEMM (its output all-reduced over the tensor-parallel group)."""
+def _column(in_f, out_f, bias, lin: dict, tp_group, blocks: int = 1, sp: bool = False):
+    """The output-splitting GEMM: an fp8train Linear, or its column-parallel shard under TP
+    (``sp``: its input arrives as sequence shards and is all-gathered first)."""
     if tp_size(tp_group) == 1:
         return Linear(in_f, out_f, bias, **lin)
-    return RowParallelLinear(in_f, out_f, group=tp_group, bias=bias, **lin)
+    return ColumnParallelLinear(
+        in_f, out_f, group=tp_group, bias=bias, blocks=blocks, sequence_parallel=sp, **lin
+    )
+
+
+def _row(in_f, out_f, bias, lin: dict, tp_group, sp: bool = False):
+    """The input-splitting GEMM: its partial outputs are all-reduced over the TP group, or
+    reduce-scattered into sequence shards (``sp``)."""
+    if tp_size(tp_group) == 1:
+        return Linear(in_f, out_f, bias, **lin)
+    return RowParallelLinear(in_f, out_f, group=tp_group, bias=bias, sequence_parallel=sp, **lin)
 
 
 @dataclass(kw_only=True)
@@ -153,10 +169,43 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def make_norm(config: TransformerConfig, device=None) -> nn.Module:
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm on a sequence shard ``[b, s/tp, h]``. Its parameters pass through
+    ``copy_to_region``, so in backward each rank's partial gradient (from its own tokens) is
+    summed over the tensor-parallel group and every rank holds the full gradient."""
+
+    def __init__(self, *args, group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = (copy_to_region(t, self.group) for t in (self.weight, self.bias))
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm on a sequence shard; gradient handling as ``SequenceParallelLayerNorm``."""
+
+    def __init__(self, *args, group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * copy_to_region(self.weight, self.group).float()).to(x.dtype)
+
+
+def make_norm(config: TransformerConfig, device=None, sp_group=None) -> nn.Module:
+    """The configured norm; ``sp_group``: it runs on sequence shards of that TP group."""
+    h, eps = config.hidden_size, config.norm_epsilon
+    if sp_group is not None:
+        if config.normalization == "RMSNorm":
+            return SequenceParallelRMSNorm(h, eps, device=device, group=sp_group)
+        return SequenceParallelLayerNorm(h, eps=eps, device=device, group=sp_group)
     if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, config.norm_epsilon, device=device)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, device=device)
+        return RMSNorm(h, eps, device=device)
+    return nn.LayerNorm(h, eps=eps, device=device)
 
 
 def rotary_cos_sin(
@@ -196,6 +245,7 @@ class SelfAttention(nn.Module):
         causal: bool = True,
         device=None,
         tp_group=None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         # Under tensor parallelism each rank owns whole query groups (the QKV layout makes a
@@ -206,13 +256,14 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.causal = causal
         self.dropout_p = config.attention_dropout
+        self.tp_sharded = tp > 1
         qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim * tp
         bias = config.add_bias_linear
         lin = dict(recipe=recipe, scaling=scaling, device=device)
-        self.qkv = _column(config.hidden_size, qkv_out, bias, lin, tp_group)
-        self.proj = _row(
-            self.num_heads * self.head_dim * tp, config.hidden_size, bias, lin, tp_group
-        )
+        sp = sequence_parallel
+        self.qkv = _column(config.hidden_size, qkv_out, bias, lin, tp_group, sp=sp)
+        proj_in = self.num_heads * self.head_dim * tp
+        self.proj = _row(proj_in, config.hidden_size, bias, lin, tp_group, sp=sp)
 
     def forward(
         self,
@@ -225,10 +276,11 @@ class SelfAttention(nn.Module):
         attn_mask: optional boolean mask broadcastable to ``[b, heads, s, s]`` (True = attend),
         for padding in bidirectional models; a causal layer ANDs it with the causal mask.
         """
-        b, s, _ = x.shape
         G, d = self.num_groups, self.head_dim
         r = self.num_heads // G
-        qkv = self.qkv(x).view(b, s, G, r + 2, d)  # [b, s, G, r+2, d]
+        qkv = self.qkv(x)  # [b, s, G*(r+2)*d]; full s even when x is a sequence shard
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, G, r + 2, d)  # [b, s, G, r+2, d]
         q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, d)  # [b, s, H, d]
         k = qkv[:, :, :, r]  # [b, s, G, d]
         v = qkv[:, :, :, r + 1]  # [b, s, G, d]
@@ -239,16 +291,18 @@ class SelfAttention(nn.Module):
         if causal and attn_mask is not None:
             tri = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             attn_mask, causal = attn_mask & tri, False
+        dropout_p = self.dropout_p if self.training else 0.0
         # Query head i reads kv group i // r: exactly SDPA's enable_gqa broadcast.
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=causal,
-            enable_gqa=G != self.num_heads,
-        )  # [b, H, s, d]
+        with _sharded_rng(self.tp_sharded and dropout_p > 0):
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                enable_gqa=G != self.num_heads,
+            )  # [b, H, s, d]
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, H*d]
         return self.proj(y)  # [b, s, h]
 
@@ -264,6 +318,7 @@ class MLP(nn.Module):
         *,
         device=None,
         tp_group=None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
@@ -272,8 +327,9 @@ class MLP(nn.Module):
         lin = dict(recipe=recipe, scaling=scaling, device=device)
         # SwiGLU: each rank takes a slice of the gate half and the matching slice of the up half.
         fc1_out, blocks = (2 * f, 2) if self.swiglu else (f, 1)
-        self.fc1 = _column(config.hidden_size, fc1_out, bias, lin, tp_group, blocks)
-        self.fc2 = _row(f, config.hidden_size, bias, lin, tp_group)
+        sp = sequence_parallel
+        self.fc1 = _column(config.hidden_size, fc1_out, bias, lin, tp_group, blocks, sp=sp)
+        self.fc2 = _row(f, config.hidden_size, bias, lin, tp_group, sp=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [b, s, f] or [b, s, 2f]
@@ -297,14 +353,17 @@ class TransformerLayer(nn.Module):
         causal: bool = True,
         device=None,
         tp_group=None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
-        tp = dict(device=device, tp_group=tp_group)
-        self.input_norm = make_norm(config, device=device)
+        tp = dict(device=device, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        sp_group = tp_group if sequence_parallel else None
+        self.input_norm = make_norm(config, device=device, sp_group=sp_group)
         self.attention = SelfAttention(config, recipe, scaling, causal=causal, **tp)
-        self.post_attention_norm = make_norm(config, device=device)
+        self.post_attention_norm = make_norm(config, device=device, sp_group=sp_group)
         self.mlp = MLP(config, recipe, scaling, **tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = sequence_parallel
 
     def forward(
         self,
@@ -312,8 +371,13 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rotary, attn_mask))  # [b, s, h]
-        x = x + self.dropout(self.mlp(self.post_attention_norm(x)))  # [b, s, h]
+        sharded = self.sequence_parallel and self.training and self.dropout.p > 0
+        attn = self.attention(self.input_norm(x), rotary, attn_mask)
+        with _sharded_rng(sharded):
+            x = x + self.dropout(attn)  # [b, s, h]
+        mlp = self.mlp(self.post_attention_norm(x))
+        with _sharded_rng(sharded):
+            x = x + self.dropout(mlp)  # [b, s, h]
         return x
 
 

@@ -123,3 +123,13 @@ def test_low_bit_levels_bytes_per_linear_param(tiny_data, tmp_path, level, linea
     # per-tensor scales (a few parts per million here).
     assert roles["linear/total"] == pytest.approx(linear_bytes, abs=1e-3)
     assert roles["other/total"] == pytest.approx(16.0, abs=1e-3)  # FP32 embeddings/norms/biases
+
+
+def test_resume_with_dropout_is_identical(tiny_data, tmp_path):
+    """Dropout draws from the default stream: nothing else may draw from it (or resume would
+    shift the masks), and its state must come back from the checkpoint."""
+    drop = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+    _train(tiny_data, tmp_path / "straight", "te", **drop)
+    _train(tiny_data, tmp_path / "resumed", "te", **drop, **{"training.exit_interval": 3})
+    _train(tiny_data, tmp_path / "resumed", "te", **drop)
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
 def _markers(section: str) -> tuple[str, str]:
     tag = f"bench_levels:{section}" if section else "bench_levels"
     return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"

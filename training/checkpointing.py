@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from fp8train import device as devices
+from parallel.tensor_parallel.random import get_tracker
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
@@ -61,6 +62,8 @@ def rng_state_tensors(device: torch.device) -> dict[str, torch.Tensor]:
     accel = devices.rng_state(device)
     if accel is not None:
         out["torch_device"] = accel
+    # The tensor-parallel dropout streams (empty without TP).
+    out.update({f"tracker.{k}": v for k, v in get_tracker().get_states().items()})
     return out
 
 
@@ -68,6 +71,9 @@ def restore_rng(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_device" in tensors:
         devices.set_rng_state(tensors["torch_device"], device)
+    tracked = {k[len("tracker.") :]: v for k, v in tensors.items() if k.startswith("tracker.")}
+    if tracked:
+        get_tracker().set_states(tracked)
 
 
 def save_checkpoint(

@@ -59,8 +59,11 @@ def measure_cpu_peak_tflops(size: int = 1024, repeats: int = 10) -> float:
     plain GEMM achieves here, and label it as measured. The best of several runs, because a
     busy machine only ever makes a run slower and an underestimated peak inflates MFU.
     """
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    # A private generator: drawing from the default one would shift the training run's
+    # dropout stream, and a resumed run would then differ from an uninterrupted one.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen)
     a @ b  # warm-up: thread pool and caches
     best = float("inf")
     for _ in range(repeats):

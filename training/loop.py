@@ -274,7 +274,9 @@ def pretrain(cfg: Config) -> dict:
                 f"training already complete ({iteration} of training.train_iters="
                 f"{t.train_iters}); raise training.train_iters to train further",
             )
-    writer = MetricsWriter(log.dir, enabled=logs, tensorboard=log.tensorboard)
+    writer = MetricsWriter(
+        log.dir, enabled=logs, tensorboard=log.tensorboard, append=resume_from is not None
+    )
     flops = _flops_per_step(state)
     peak, peak_source = _peak(state)
     n_params = sum(p.numel() for p in state.model.parameters())

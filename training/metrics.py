@@ -38,7 +38,7 @@ def format_console_line(iteration: int, train_iters: int, m: dict) -> str:
 class MetricsWriter:
     """TensorBoard + JSON lines in ``log_dir``; inert on ranks that do not log."""
 
-    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool = True):
+    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool = True, append: bool = True):
         self.enabled = enabled
         self.writer = None
         self.jsonl = None
@@ -50,8 +50,10 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(path / "tensorboard"), max_queue=100)
-        # Append: a resumed run continues the same file (records carry their iteration).
-        self.jsonl = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        # A resumed run appends (records carry their iteration); a run from scratch starts the
+        # file afresh so two runs' records never interleave.
+        mode = "a" if append else "w"
+        self.jsonl = open(path / "metrics.jsonl", mode, buffering=1)  # noqa: SIM115
 
     def scalars(self, iteration: int, values: dict[str, float], samples: int | None = None):
         if not self.enabled or self.writer is None:

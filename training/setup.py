@@ -22,6 +22,7 @@ from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
 from models.gpt import GPTConfig, GPTModel
 from parallel.comm_meter import CommMeter
+from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
@@ -136,10 +137,10 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     )
     topo = groups.topology
     topo.require_supported()
-    if cfg.parallel.sequence_parallel:
+    if cfg.parallel.sequence_parallel and cfg.model.seq_length % topo.tensor:
         raise ConfigError(
-            "config: parallel.sequence_parallel=true: sequence parallelism is not implemented "
-            "yet (its layers exist, the model does not use them); use false"
+            f"config: model.seq_length={cfg.model.seq_length} is not divisible by "
+            f"parallel.tensor={topo.tensor} (sequence parallelism splits the sequence)"
         )
     num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
 
@@ -149,8 +150,17 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     model_config = GPTConfig.from_model_section(cfg.model, vocab)
 
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
+    # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.
     torch.manual_seed(cfg.training.seed)
-    model = GPTModel(model_config, recipe, _scaling(cfg), tp_group=groups.tensor).to(device)
+    if groups.tensor is not None:
+        model_parallel_seed(cfg.training.seed, topo.tp_rank, device)
+    model = GPTModel(
+        model_config,
+        recipe,
+        _scaling(cfg),
+        tp_group=groups.tensor,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    ).to(device)
     if recipe.param_dtype != torch.float32:
         for p in model.parameters():  # parameters only: FP8 scaling buffers stay FP32
             p.data = p.data.to(recipe.param_dtype)
