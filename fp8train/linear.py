@@ -14,11 +14,19 @@ bias grad stay in fp32.
 Scaling state (one ``ScalingState`` per role) lives in persistent buffers, so a checkpoint of
 ``model.state_dict()`` resumes with the same scales. The state advances only in training mode:
 evaluation reads the scales but does not change them, so validation never perturbs training.
+
+Activation recompute (``torch.utils.checkpoint``) runs a forward twice for one backward. The
+second run must neither advance the scaling state again nor cast with a different scale (the
+delayed scale has moved on by then), or recompute would change the numerics. So a checkpointed
+region records the scale of every forward cast (``recompute_scale_contexts``) and its
+recompute replays them in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -31,19 +39,99 @@ from .precision import PrecisionRecipe
 from .scaling import ScalingRecipe, ScalingState
 from .tensor import Float8Tensor
 
-__all__ = ["Fp8LinearFunction", "Linear"]
+__all__ = ["Fp8LinearFunction", "Linear", "recompute_scale_contexts"]
 
 ROLES = ("input", "weight", "grad_output")
 
 
+class _ScaleLog:
+    """The forward-cast scales of one checkpointed region, in call order."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[ScalingState, torch.Tensor]] = []
+        self.pos = 0
+
+    def replay(self, state: ScalingState) -> torch.Tensor:
+        if self.pos >= len(self.entries) or self.entries[self.pos][0] is not state:
+            # A different call sequence would pair scales with the wrong tensors: refuse.
+            raise RuntimeError(
+                "activation recompute: the recomputed forward does not cast the same FP8 "
+                "tensors in the same order as the original forward"
+            )
+        scale = self.entries[self.pos][1]
+        self.pos += 1
+        return scale
+
+
+# (log, replaying) of the region being run on this thread. Thread-local: CUDA backward (and so
+# the recompute) runs on autograd's device thread, and each thread sets its own.
+_local = threading.local()
+
+
+def _active_log() -> tuple[_ScaleLog | None, bool]:
+    return getattr(_local, "active", (None, False))
+
+
+class _ScaleLogContext:
+    """Makes ``log`` the active one (recording, or replaying when ``replay``) inside the block.
+    A class, not a generator, so one instance can be entered again: a second backward through
+    a retained graph recomputes again."""
+
+    def __init__(self, log: _ScaleLog, replay: bool) -> None:
+        self.log, self.replay = log, replay
+        self.previous: list[tuple[_ScaleLog | None, bool]] = []
+
+    def __enter__(self) -> None:
+        if self.replay:
+            self.log.pos = 0
+        else:
+            self.log.entries.clear()
+        self.previous.append(_active_log())
+        _local.active = (self.log, self.replay)
+
+    def __exit__(self, *exc) -> None:
+        _local.active = self.previous.pop()
+
+
+def recompute_scale_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    """``(forward, recompute)`` context managers for ``torch.utils.checkpoint``'s ``context_fn``.
+
+    Inside ``forward`` every FP8 forward cast records the scale it used (and updates the
+    scaling state as usual); inside ``recompute`` the casts reuse those scales in order and
+    leave the state alone, so the recomputed FP8 tensors are bit-identical to the originals.
+    """
+    log = _ScaleLog()
+    return _ScaleLogContext(log, replay=False), _ScaleLogContext(log, replay=True)
+
+
 def _quantize(
-    x: torch.Tensor, state: ScalingState, update: bool, health=None, role: str = ""
+    x: torch.Tensor,
+    state: ScalingState,
+    update: bool,
+    health=None,
+    role: str = "",
+    scale: torch.Tensor | None = None,
 ) -> Float8Tensor:
-    scale = state.scale_for(x.detach().abs().amax(), update=update)
+    if scale is None:
+        scale = state.scale_for(x.detach().abs().amax(), update=update)
     q = Float8Tensor.quantize(x.detach(), state.fmt, scale)
     if health is not None:
         _record_health(health, role, x.detach(), q)
     return q
+
+
+def _forward_quantize(
+    x: torch.Tensor, state: ScalingState, update: bool, health, role: str
+) -> Float8Tensor:
+    """A forward-pass cast, recorded or replayed when inside a checkpointed region."""
+    log, replay = _active_log()
+    if replay:
+        # The original forward already updated the state and measured cast health.
+        return _quantize(x, state, False, None, role, scale=log.replay(state))
+    scale = state.scale_for(x.detach().abs().amax(), update=update)
+    if log is not None:
+        log.entries.append((state, scale))  # a fresh tensor: later updates do not touch it
+    return _quantize(x, state, update, health, role, scale=scale)
 
 
 def _record_health(health: dict, role: str, x: torch.Tensor, q: Float8Tensor) -> None:
@@ -63,12 +151,12 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, x_state, w_state, g_state, update, w_scale_inv, grad_slot, health
     ):
-        x8 = _quantize(x, x_state, update, health, "input")
+        x8 = _forward_quantize(x, x_state, update, health, "input")
         if weight.dtype == E4M3.dtype:  # O3: the stored weight already is FP8 with its scale
             w8 = Float8Tensor(weight.detach(), w_scale_inv, E4M3)
         else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
             w_hp = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
-            w8 = _quantize(w_hp, w_state, update, health, "weight")
+            w8 = _forward_quantize(w_hp, w_state, update, health, "weight")
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
         if bias is not None:
             y = y + bias.float()

@@ -25,6 +25,7 @@ from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
 from models.transformer import (
+    RECOMPUTE,
     TransformerConfig,
     TransformerLayer,
     collect_fp8_stats,
@@ -73,9 +74,12 @@ class GPTConfig(TransformerConfig):
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     untie_embeddings_and_output_weights: bool = False
+    recompute: str = "none"  # activation recompute: "none" | "full" | "selective"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"model.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r}: choose one "
@@ -175,7 +179,13 @@ class GPTModel(nn.Module):
         sp = self.sequence_parallel
         self.layers = nn.ModuleList(
             TransformerLayer(
-                config, recipe, scaling, device=device, tp_group=group, sequence_parallel=sp
+                config,
+                recipe,
+                scaling,
+                device=device,
+                tp_group=group,
+                sequence_parallel=sp,
+                recompute=config.recompute,
             )
             for _ in range(config.num_layers)
         )

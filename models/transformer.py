@@ -20,6 +20,13 @@ Fused SwiGLU fc1 layout: ``fc1.weight`` rows are ``[gate (f rows) | up (f rows)]
 activation is ``silu(gate) * up`` (Megatron's single-rank layout; a TP split must split each
 half, not dim 0 as a whole).
 
+Activation recompute (``recompute``: Megatron's ``--recompute-granularity``): "full" keeps only
+each layer's input and reruns the whole layer in backward; "selective" reruns only the attention
+core (the ``scaled_dot_product_attention`` call, whose ``[b, heads, s, s]`` probabilities are the
+largest activation per FLOP of recompute). Both give bit-identical losses and gradients: the
+checkpoint restores the RNG for dropout (the tensor-parallel tracker's stream included, see
+``_recompute_contexts``) and FP8 casts replay the original scales (``fp8train.linear``).
+
 GELU is the tanh approximation, as in the published GPT-2 code (HF ``gelu_new``), so converted
 GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element.
 """
@@ -34,8 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from fp8train.linear import Linear
+from fp8train.linear import Linear, recompute_scale_contexts
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -53,6 +61,7 @@ __all__ = [
     "SelfAttention",
     "MLP",
     "TransformerLayer",
+    "RECOMPUTE",
     "linear_modules",
     "collect_fp8_stats",
     "init_transformer_weights",
@@ -61,6 +70,7 @@ __all__ = [
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
+RECOMPUTE = ("none", "full", "selective")
 
 
 def tp_size(group) -> int:
@@ -73,6 +83,49 @@ def _sharded_rng(active: bool):
     draws from the per-rank stream, so shards get independent masks; replicated tensors keep the
     default stream, identical on every rank."""
     return get_tracker().fork() if active else contextlib.nullcontext()
+
+
+class _TrackerReplay:
+    """Runs the block with the TP RNG tracker's streams as they were in ``snapshot``, then puts
+    back the streams as they are now: the recompute must redraw the original forward's shard
+    dropout masks (the checkpoint restores only the default generators) without moving the
+    streams, which the rest of the forward has already advanced. Re-enterable (a class, not a
+    generator) like the FP8 scale replay it wraps."""
+
+    def __init__(self, snapshot: dict[str, torch.Tensor], inner) -> None:
+        self.snapshot, self.inner = snapshot, inner
+        self.saved: list[dict[str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        tracker = get_tracker()
+        self.saved.append(tracker.get_states())
+        tracker.set_states(self.snapshot)
+        self.inner.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            get_tracker().set_states(self.saved.pop())
+
+
+def _recompute_contexts():
+    """``context_fn`` for ``torch.utils.checkpoint``, called at the start of the original
+    forward: FP8 scale record/replay, plus the TP RNG tracker's streams captured now and
+    restored for the recompute."""
+    forward, recompute = recompute_scale_contexts()
+    tracker = get_tracker()
+    if not tracker.names():  # no tensor-parallel streams: nothing more to replay
+        return forward, recompute
+    return forward, _TrackerReplay(tracker.get_states(), recompute)
+
+
+def _checkpoint(fn, *args):
+    # use_reentrant=False: works with inputs that need no grad and with custom autograd
+    # Functions' non-tensor ctx state; preserve_rng_state: dropout redraws the same masks.
+    return checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_recompute_contexts
+    )
 
 
 def _column(in_f, out_f, bias, lin: dict, tp_group, blocks: int = 1, sp: bool = False):
@@ -246,8 +299,10 @@ class SelfAttention(nn.Module):
         device=None,
         tp_group=None,
         sequence_parallel: bool = False,
+        recompute_core: bool = False,
     ):
         super().__init__()
+        self.recompute_core = recompute_core  # selective recompute of the SDPA call
         # Under tensor parallelism each rank owns whole query groups (the QKV layout makes a
         # contiguous column split do exactly that): local head and group counts.
         tp = tp_size(tp_group)
@@ -292,19 +347,27 @@ class SelfAttention(nn.Module):
             tri = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             attn_mask, causal = attn_mask & tri, False
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.recompute_core and torch.is_grad_enabled():
+            y = _checkpoint(self._core, q, k, v, attn_mask, dropout_p, causal)
+        else:
+            y = self._core(q, k, v, attn_mask, dropout_p, causal)  # [b, H, s, d]
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, H*d]
+        return self.proj(y)  # [b, s, h]
+
+    def _core(self, q, k, v, attn_mask, dropout_p: float, causal: bool) -> torch.Tensor:
+        """q ``[b, H, s, d]``, k/v ``[b, G, s, d]`` -> ``[b, H, s, d]``; the selective-recompute
+        region (no parameters, no FP8 casts: only softmax, dropout and two batched GEMMs)."""
         # Query head i reads kv group i // r: exactly SDPA's enable_gqa broadcast.
         with _sharded_rng(self.tp_sharded and dropout_p > 0):
-            y = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
                 attn_mask=attn_mask,
                 dropout_p=dropout_p,
                 is_causal=causal,
-                enable_gqa=G != self.num_heads,
-            )  # [b, H, s, d]
-        y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, H*d]
-        return self.proj(y)  # [b, s, h]
+                enable_gqa=self.num_groups != self.num_heads,
+            )
 
 
 class MLP(nn.Module):
@@ -342,7 +405,10 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``."""
+    """Pre-norm block: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``.
+
+    recompute: one of ``RECOMPUTE`` (module doc); applies only while autograd records.
+    """
 
     def __init__(
         self,
@@ -354,12 +420,18 @@ class TransformerLayer(nn.Module):
         device=None,
         tp_group=None,
         sequence_parallel: bool = False,
+        recompute: str = "none",
     ):
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"model.recompute={recompute!r}: choose one of {RECOMPUTE}")
+        self.recompute = recompute
         tp = dict(device=device, tp_group=tp_group, sequence_parallel=sequence_parallel)
         sp_group = tp_group if sequence_parallel else None
         self.input_norm = make_norm(config, device=device, sp_group=sp_group)
-        self.attention = SelfAttention(config, recipe, scaling, causal=causal, **tp)
+        self.attention = SelfAttention(
+            config, recipe, scaling, causal=causal, recompute_core=recompute == "selective", **tp
+        )
         self.post_attention_norm = make_norm(config, device=device, sp_group=sp_group)
         self.mlp = MLP(config, recipe, scaling, **tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -370,6 +442,16 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return _checkpoint(self._forward, x, rotary, attn_mask)
+        return self._forward(x, rotary, attn_mask)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         sharded = self.sequence_parallel and self.training and self.dropout.p > 0
         attn = self.attention(self.input_norm(x), rotary, attn_mask)

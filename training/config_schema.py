@@ -181,6 +181,13 @@ class ModelConfig(_Section):
     hidden_dropout: float = _f(0.0, "Dropout after attention/MLP.", ge=0, lt=1)
     attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", ge=0, lt=1)
     init_method_std: float = _f(0.02, "Std of the normal weight initialisation.", gt=0)
+    recompute: Literal["none", "full", "selective"] = _f(
+        "none",
+        "Activation recompute: none; full (keep each layer's input, rerun the layer in "
+        "backward: least memory, ~1/3 more compute); selective (rerun only the attention core, "
+        "whose s*s probabilities dominate activation memory at long sequences). Losses and "
+        "gradients are bit-identical to none, FP8 scales included.",
+    )
     make_vocab_size_divisible_by: int = _f(
         128,
         "Pad the vocabulary to a multiple of this (times parallel.tensor, as in Megatron).",
