@@ -121,14 +121,21 @@ def _quantize(
 
 
 def _forward_quantize(
-    x: torch.Tensor, state: ScalingState, update: bool, health, role: str
+    x: torch.Tensor, state: ScalingState, update: bool, health, role: str, amax_sync=None
 ) -> Float8Tensor:
-    """A forward-pass cast, recorded or replayed when inside a checkpointed region."""
+    """A forward-pass cast, recorded or replayed when inside a checkpointed region.
+
+    ``amax_sync``: turns the local amax into the one every rank that shares this tensor uses
+    (a MAX all-reduce), so their FP8 bytes share one scale and can be concatenated.
+    """
     log, replay = _active_log()
     if replay:
         # The original forward already updated the state and measured cast health.
         return _quantize(x, state, False, None, role, scale=log.replay(state))
-    scale = state.scale_for(x.detach().abs().amax(), update=update)
+    amax = x.detach().abs().amax()
+    if amax_sync is not None:
+        amax = amax_sync(amax)
+    scale = state.scale_for(amax, update=update)
     if log is not None:
         log.entries.append((state, scale))  # a fresh tensor: later updates do not touch it
     return _quantize(x, state, update, health, role, scale=scale)
@@ -149,9 +156,26 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, x_state, w_state, g_state, update, w_scale_inv, grad_slot, health
+        ctx,
+        x,
+        weight,
+        bias,
+        x_state,
+        w_state,
+        g_state,
+        update,
+        w_scale_inv,
+        grad_slot,
+        health,
+        input_comm=None,
     ):
-        x8 = _forward_quantize(x, x_state, update, health, "input")
+        # input_comm (sequence parallelism): x is this rank's rows; they are cast with a scale
+        # agreed over the group, the FP8 bytes all-gathered (1 byte per element on the wire),
+        # and the input gradient reduce-scattered back to this rank's rows.
+        sync = None if input_comm is None else input_comm.sync_amax
+        x8 = _forward_quantize(x, x_state, update, health, "input", amax_sync=sync)
+        if input_comm is not None:
+            x8 = Float8Tensor(input_comm.gather(x8.data), x8.scale_inv, E4M3)  # all rows
         if weight.dtype == E4M3.dtype:  # O3: the stored weight already is FP8 with its scale
             w8 = Float8Tensor(weight.detach(), w_scale_inv, E4M3)
         else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
@@ -163,6 +187,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
         ctx.g_state, ctx.update, ctx.grad_slot, ctx.health = g_state, update, grad_slot, health
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.input_comm = input_comm
         return y.to(x.dtype)
 
     @staticmethod
@@ -176,6 +201,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output")
             if need_x:
                 dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype)  # [M,N]·[N,K]
+                if ctx.input_comm is not None:
+                    dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
             if need_w:
                 slot = ctx.grad_slot
                 dw = fp8_gemm(g8.t(), x8.t(), out_dtype=torch.float32 if slot else w_dtype)
@@ -186,7 +213,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                     dw = None
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -285,10 +312,13 @@ class Linear(nn.Module):
             return {}
         return dict(zip(ROLES, (self.fp8_input, self.fp8_weight, self.fp8_grad_output)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_comm=None) -> torch.Tensor:
+        """``input_comm``: see ``Fp8LinearFunction`` (FP8 all-gather of sequence shards)."""
         if not self.fp8:
+            if input_comm is not None:
+                raise ValueError("input_comm needs an FP8 recipe")
             return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
+        lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
         y = Fp8LinearFunction.apply(
             x.reshape(-1, self.in_features),
             self.weight,
@@ -300,6 +330,7 @@ class Linear(nn.Module):
             getattr(self, "weight_scale_inv", None),
             getattr(self.weight, "main_grad", None) if self.lowered else None,
             self.health if self.track_health else None,
+            input_comm,
         )
         return y.reshape(*lead, self.out_features)
 

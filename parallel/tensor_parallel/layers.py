@@ -40,6 +40,7 @@ from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
 from parallel.comm_meter import CommMeter
+from parallel.tensor_parallel.fp8_gather import SequenceGatherFp8
 
 from .mappings import (
     SEQUENCE_DIM,
@@ -233,12 +234,16 @@ class ColumnParallelLinear(_ParallelLinear):
     the usual case: a row-parallel layer follows).
     skip_bias_add: return ``(y, bias_shard)`` without adding it (for a fused bias-activation).
     sequence_parallel: the input is ``[b, s/W, in]``, all-gathered along the sequence forward
-    (reduce-scattered backward) instead of being copied.
+    (reduce-scattered backward) instead of being copied; with an FP8 recipe the gather carries
+    FP8 bytes cast with a group-agreed scale (1 byte per element on the wire).
     Returns ``y``, or ``(y, bias)`` when skip_bias_add.
     """
 
     partition_dim = 0
     bias_sharded = True
+    # Under sequence parallelism with an FP8 recipe, gather the input as FP8 bytes (fp8_gather.py)
+    # rather than FP32; off only to compare the two paths.
+    fp8_gather = True
 
     def __init__(
         self,
@@ -276,13 +281,18 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor):
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(
-                x, self.group, SEQUENCE_DIM, meter=self.meter
-            )  # [b,s,in]
+        if self.sequence_parallel and self.linear.fp8 and self.fp8_gather:
+            # Cast the sequence shard to FP8 with a group-agreed scale, gather the bytes.
+            comm = SequenceGatherFp8(self.group, x.shape[:-1], self.meter)
+            y = self.linear(x, input_comm=comm)  # [b, s, out/W]
         else:
-            x = copy_to_region(x, self.group, meter=self.meter)  # grads of x summed over shards
-        y = self.linear(x)  # [.., out/W]
+            if self.sequence_parallel:
+                x = gather_from_sequence_region(
+                    x, self.group, SEQUENCE_DIM, meter=self.meter
+                )  # [b,s,in]
+            else:
+                x = copy_to_region(x, self.group, meter=self.meter)  # grads of x summed
+            y = self.linear(x)  # [.., out/W]
         if self.gather_output:
             if self.bias is not None:
                 y = y + self.bias
