@@ -1,6 +1,15 @@
 """The whole GPT under tensor (and sequence) parallelism against the single-rank model:
-logits, loss and every parameter gradient, gathered from the shards, at fp32 (to FP32
-rounding), on 2 real gloo ranks. Swiglu + GQA + RoPE + untied head and GPT-2 style both."""
+logits, loss and every parameter gradient, gathered from the shards, on 2 and 4 real gloo
+ranks, for a GPT-2 style and a Llama style (SwiGLU, GQA, RoPE, RMSNorm, untied head) model.
+
+fp32 must match to FP32 rounding (1e-5). The other levels cannot match bitwise and get bars
+from their formats: bf16 rounds every GEMM output and the sharded GEMMs sum partial products
+in other groupings, a few BF16 ulps (2**-8 relative each) on logits and gradients: 5e-2
+relative (norm) for gradients. FP8 (te, O2): every weight shard is cast with its own
+per-tensor scale fitted to the shard, not to the whole matrix, and each cast rounds to half an
+E4M3 ulp (2**-4 relative) — the gradient floors of DESIGN.md (18 dB, 12.6% relative) bound the
+difference between two such roundings: 0.2 relative (norm) per gradient tensor.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ CASES = {
         normalization="RMSNorm",
         activation="swiglu",
         untie_embeddings_and_output_weights=True,
-        num_query_groups=2,
+        num_query_groups=4,
         add_bias_linear=False,
     ),
 }
@@ -31,8 +40,8 @@ def _config(case):
 
     base = dict(
         num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
+        hidden_size=64,
+        num_attention_heads=8,
         seq_length=8,
         vocab_size=64,
         hidden_dropout=0.0,
@@ -70,56 +79,78 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
+LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O2": 0.2}
+
+
+def _grad(p):
+    slot = getattr(p, "main_grad", None)
+    return slot.dequantize() if slot is not None and hasattr(slot, "dequantize") else p.grad
+
+
+def _build(cfg, level, **tp):
+    from fp8train.convert import lower_linear_weights
     from fp8train.precision import get_recipe
     from models.gpt import GPTModel
 
+    torch.manual_seed(0)
+    model = GPTModel(cfg, get_recipe(level), **tp)
+    if level == "bf16":
+        for p in model.parameters():
+            p.data = p.data.bfloat16()
+    lower_linear_weights(model)
+    return model
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
     results = {}
     for case in CASES:
         cfg = _config(case)
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-        torch.manual_seed(0)
-        ref = GPTModel(cfg, get_recipe("fp32"))
-        ref_logits = ref(tokens)
-        ref(tokens, labels=tokens).mean().backward()
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        for sp in (False, True):
-            torch.manual_seed(0)
-            model = GPTModel(
-                cfg, get_recipe("fp32"), tp_group=dist.group.WORLD, sequence_parallel=sp
-            )
-            logits = model(tokens)
-            model(tokens, labels=tokens).mean().backward()
-            grads = _full_grads(model)
-            worst = max(
-                ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item()
-                for n, g in ref_grads.items()
-            )
-            results[f"{case}/sp={sp}"] = {
-                "logits": ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item(),
-                "grads": worst,
-                "names": sorted(grads) == sorted(ref_grads),
-            }
+        for level in LEVELS:
+            ref = _build(cfg, level)
+            ref_logits = ref(tokens)
+            ref(tokens, labels=tokens).mean().backward()
+            ref_grads = {n: _grad(p).float() for n, p in ref.named_parameters()}
+            for sp in (False, True):
+                model = _build(cfg, level, tp_group=dist.group.WORLD, sequence_parallel=sp)
+                logits = model(tokens)
+                model(tokens, labels=tokens).mean().backward()
+                for p in model.parameters():  # _full_grads reads .grad: expose FP8 slots
+                    if p.grad is None:
+                        p.grad = _grad(p).to(p.dtype if p.dtype.itemsize > 1 else torch.float32)
+                grads = {k: v.float() for k, v in _full_grads(model).items()}
+                worst = max(
+                    ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item()
+                    for n, g in ref_grads.items()
+                )
+                err = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+                results[f"{case}/{level}/sp={sp}"] = {
+                    "logits": err.item(),
+                    "grads": worst,
+                    "names": sorted(grads) == sorted(ref_grads),
+                }
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_grads")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=2, join=True)
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tp_grads_{request.param}")
+    mp.spawn(_worker, args=(request.param, str(out / "init"), str(out)), nprocs=request.param)
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", [f"{c}/sp={sp}" for c in CASES for sp in (False, True)])
-def test_tp2_logits_and_every_gradient_equal_tp1(results, case):
-    r = results[case]
+@pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("case", [f"{c}/{{}}/sp={sp}" for c in CASES for sp in (False, True)])
+def test_tp_logits_and_every_gradient_match_tp1(results, case, level):
+    r = results[case.format(level)]
+    bar = LEVELS[level]
     assert r["names"]  # every parameter of the single-rank model is accounted for
-    assert r["logits"] < 1e-5
-    assert r["grads"] < 1e-5
+    assert r["logits"] < bar, r
+    assert r["grads"] < bar, r
