@@ -8,7 +8,8 @@ in other groupings, a few BF16 ulps (2**-8 relative each) on logits and gradient
 relative (norm) for gradients. FP8 (te, O2): every weight shard is cast with its own
 per-tensor scale fitted to the shard, not to the whole matrix, and each cast rounds to half an
 E4M3 ulp (2**-4 relative) — the gradient floors of DESIGN.md (18 dB, 12.6% relative) bound the
-difference between two such roundings: 0.2 relative (norm) per gradient tensor.
+difference between two such roundings: 0.2 relative (norm) per gradient tensor (measured up to
+0.14). O1 and O3 store the weights themselves in FP16 / FP8 with a per-shard scale as well.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     group = model.tp_group
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            w = module.weight.grad
+            w = _grad(module.weight)
             out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
             if module.bias is not None:
                 b = module.bias.grad
@@ -75,11 +76,11 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         key = name.replace(".linear.weight", ".weight")
         if key not in out:
-            out[key] = p.grad
+            out[key] = _grad(p)
     return out
 
 
-LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O2": 0.2}
+LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O1": 0.2, "O2": 0.2, "O3": 0.2}
 
 
 def _grad(p):
@@ -114,15 +115,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for level in LEVELS:
             ref = _build(cfg, level)
             ref_logits = ref(tokens)
-            ref(tokens, labels=tokens).mean().backward()
+            ref_loss = ref(tokens, labels=tokens).mean()
+            ref_loss.backward()
             ref_grads = {n: _grad(p).float() for n, p in ref.named_parameters()}
             for sp in (False, True):
                 model = _build(cfg, level, tp_group=dist.group.WORLD, sequence_parallel=sp)
                 logits = model(tokens)
-                model(tokens, labels=tokens).mean().backward()
-                for p in model.parameters():  # _full_grads reads .grad: expose FP8 slots
-                    if p.grad is None:
-                        p.grad = _grad(p).to(p.dtype if p.dtype.itemsize > 1 else torch.float32)
+                loss = model(tokens, labels=tokens).mean()
+                loss.backward()
                 grads = {k: v.float() for k, v in _full_grads(model).items()}
                 worst = max(
                     ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item()
@@ -130,6 +130,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 )
                 err = (logits - ref_logits).abs().max() / ref_logits.abs().max()
                 results[f"{case}/{level}/sp={sp}"] = {
+                    "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                     "logits": err.item(),
                     "grads": worst,
                     "names": sorted(grads) == sorted(ref_grads),
@@ -152,5 +153,6 @@ def test_tp_logits_and_every_gradient_match_tp1(results, case, level):
     r = results[case.format(level)]
     bar = LEVELS[level]
     assert r["names"]  # every parameter of the single-rank model is accounted for
+    assert r["loss"] < bar / 10, r  # the loss averages the logit errors away
     assert r["logits"] < bar, r
     assert r["grads"] < bar, r
