@@ -1,4 +1,5 @@
-"""Models on shared transformer blocks. No torch.distributed here: parallelism wraps these."""
+"""Models on shared transformer blocks. No torch.distributed calls here: a model is handed its
+tensor-parallel group and builds on parallel/'s layers, which do the communicating."""
 
 from __future__ import annotations
 
