@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .linear import Linear
 
-__all__ = ["lower_linear_weights"]
+__all__ = ["apply_level_storage", "lower_linear_weights"]
 
 
 def lower_linear_weights(model: nn.Module) -> int:
@@ -21,3 +22,13 @@ def lower_linear_weights(model: nn.Module) -> int:
             module.lower_weight_precision()
             changed += int(module.lowered)
     return changed
+
+
+def apply_level_storage(model: nn.Module, recipe) -> nn.Module:
+    """Put an initialised, placed model into its level's storage: BF16 parameters at bf16
+    (FP8 scaling buffers stay FP32, so parameters only), then the linear weights lowered."""
+    if recipe.param_dtype != torch.float32:
+        for p in model.parameters():
+            p.data = p.data.to(recipe.param_dtype)
+    lower_linear_weights(model)
+    return model

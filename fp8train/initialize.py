@@ -21,7 +21,6 @@ from .scaling import ScalingRecipe
 
 __all__ = ["initialize"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _LEVELS = ("te", "O1", "O2", "O3")
 
 
@@ -125,8 +124,8 @@ def initialize(
     if recipe.weight_grad == "fp8":
         new_optimizer = LowBitAdamW(
             groups,
-            exp_avg_dtype=_DTYPES[recipe.adam_m],
-            exp_avg_sq_dtype=_DTYPES[recipe.adam_v],
+            exp_avg_dtype=recipe.adam_dtypes[0],
+            exp_avg_sq_dtype=recipe.adam_dtypes[1],
             **hyper,
         )
     else:

@@ -50,6 +50,11 @@ class PrecisionRecipe:
         return torch.bfloat16 if self.level == "bf16" else torch.float32
 
     @property
+    def adam_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(first moment, second moment) storage dtypes of the linear weights' Adam states."""
+        return _STORAGE[self.adam_m], _STORAGE[self.adam_v]
+
+    @property
     def uses_loss_scaling(self) -> bool:
         return self.level == "fp16" or self.weight == "fp16"
 
@@ -65,6 +70,9 @@ class PrecisionRecipe:
                 "the O1-O3 work); use fp32, bf16, fp16 or te"
             )
         return self
+
+
+_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
 def _row(level, gemm, comm, weight, master, wgrad, m, v, other, implemented=True):

@@ -89,17 +89,13 @@ def _grad(p):
 
 
 def _build(cfg, level, **tp):
-    from fp8train.convert import lower_linear_weights
+    from fp8train.convert import apply_level_storage
     from fp8train.precision import get_recipe
     from models.gpt import GPTModel
 
     torch.manual_seed(0)
     model = GPTModel(cfg, get_recipe(level), **tp)
-    if level == "bf16":
-        for p in model.parameters():
-            p.data = p.data.bfloat16()
-    lower_linear_weights(model)
-    return model
+    return apply_level_storage(model, get_recipe(level))
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:

@@ -22,7 +22,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 import torch  # noqa: E402
 
 from fp8train.audit import audit_precision, format_audit  # noqa: E402
-from fp8train.convert import lower_linear_weights  # noqa: E402
+from fp8train.convert import apply_level_storage  # noqa: E402
 from fp8train.precision import LEVELS, get_recipe  # noqa: E402
 from fp8train.scaling import ScalingRecipe  # noqa: E402
 from models.gpt import GPTConfig, GPTModel  # noqa: E402
@@ -40,10 +40,7 @@ def audit_level(cfg, level: str, steps: int = 1):
     torch.manual_seed(cfg.training.seed)
     vocab = cfg.model.padded_vocab_size(cfg.data.vocab_size)
     model = GPTModel(GPTConfig.from_model_section(cfg.model, vocab), recipe, ScalingRecipe())
-    if recipe.param_dtype != torch.float32:
-        for p in model.parameters():
-            p.data = p.data.to(recipe.param_dtype)
-    lower_linear_weights(model)
+    apply_level_storage(model, recipe)
     opt = build_optimizer(model, recipe, cfg.optimizer)
     seq = min(cfg.model.seq_length, 64)
     tokens = torch.randint(0, vocab, (2, seq))

@@ -29,7 +29,13 @@ from safetensors.torch import load_file, save_file
 from fp8train import device as devices
 from parallel.tensor_parallel.random import get_tracker
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "read_metadata",
+]
 
 FORMAT_VERSION = 1
 
@@ -143,6 +149,17 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return path
 
 
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The checkpoint's metadata.json; a missing or corrupt file raises naming it."""
+    meta_file = Path(path) / "metadata.json"
+    try:
+        return json.loads(meta_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {meta_file}") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
+
+
 def load_checkpoint(path: str | os.PathLike, rank: int, shard: str = "") -> LoadedCheckpoint:
     """Read one checkpoint (any rank). Missing or corrupt files raise naming the file."""
     path = Path(path)
@@ -156,12 +173,7 @@ def load_checkpoint(path: str | os.PathLike, rank: int, shard: str = "") -> Load
             raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from None
 
     meta_file = path / "metadata.json"
-    try:
-        metadata = json.loads(meta_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file missing: {meta_file}") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
+    metadata = read_metadata(path)
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{meta_file}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}"

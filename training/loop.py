@@ -14,7 +14,13 @@ from data.sampler import micro_batches
 from fp8train import device as devices
 from fp8train.linear import Linear
 from parallel.data_parallel import reduce_gradients
-from training.checkpointing import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from training.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    restore_rng,
+    save_checkpoint,
+)
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import gpt_flops_per_step, measure_cpu_peak_tflops, peak_tflops_for
 from training.memory import model_state_bytes
@@ -55,10 +61,11 @@ def _allreduce_sum(values: torch.Tensor, group) -> torch.Tensor:
     return values
 
 
-def _track_health(model, on: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear) and module.fp8:
-            module.track_health = on
+def _track_health(state: RunState, on: bool) -> None:
+    if state.fp8_linears is None:  # found once: the module tree does not change
+        state.fp8_linears = [m for m in state.model.modules() if isinstance(m, Linear) and m.fp8]
+    for module in state.fp8_linears:
+        module.track_health = on
 
 
 def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -> dict:
@@ -70,14 +77,14 @@ def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -
     loss_sum = torch.zeros((), device=state.device)
     tokens = torch.zeros((), device=state.device)
     for micro in range(n_micro):
-        _track_health(state.model, health and micro == n_micro - 1)
+        _track_health(state, health and micro == n_micro - 1)
         batch = _to_device(next(data_iter), state.device)
         total, count = _forward_loss(state, batch)
         # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
         scaler.scale(total / count.clamp(min=1) / n_micro).backward()
         loss_sum += total.detach()
         tokens += count
-    _track_health(state.model, False)
+    _track_health(state, False)
     grads, slots = opt.grads(), opt.grad_slots()
     state.meter.reset_step()
     reduce_gradients(grads, slots, state.groups.data, state.meter)
@@ -247,14 +254,10 @@ def _flops_per_step(state: RunState) -> float:
 def pretrain(cfg: Config) -> dict:
     """Train per ``cfg``; returns a summary (last logged loss, iterations run, ...)."""
     resume_from = _find_resume(cfg)
+    # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend = None
     if resume_from is not None:
-        import json
-        from pathlib import Path
-
-        saved_backend = json.loads((Path(resume_from) / "metadata.json").read_text()).get(
-            "fp8_gemm_backend"
-        )
+        saved_backend = read_metadata(resume_from).get("fp8_gemm_backend")
     state = build_run(cfg, gemm_backend=saved_backend)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging

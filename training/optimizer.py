@@ -18,8 +18,6 @@ from fp8train.precision import PrecisionRecipe
 
 __all__ = ["TrainOptimizer", "build_optimizer", "build_scheduler", "clip_grad_norm"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
-
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     # Megatron: biases and norm scales are not decayed; matrices and embeddings are.
@@ -66,8 +64,8 @@ class TrainOptimizer:
             # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots; moments per the table.
             self.optimizer = LowBitAdamW(
                 groups,
-                exp_avg_dtype=_DTYPES[recipe.adam_m],
-                exp_avg_sq_dtype=_DTYPES[recipe.adam_v],
+                exp_avg_dtype=recipe.adam_dtypes[0],
+                exp_avg_sq_dtype=recipe.adam_dtypes[1],
                 **hyper,
             )
         else:

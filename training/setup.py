@@ -16,7 +16,7 @@ from data.gpt_data import build_gpt_datasets
 from data.prepare import prepare_data_from_prefix, prepare_default_data
 from data.tokenizer import SentencePieceTokenizer
 from fp8train import gemm
-from fp8train.convert import lower_linear_weights
+from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
@@ -48,6 +48,7 @@ class RunState:
     bytes_per_param: dict | None = None  # measured at the first step, while grads are alive
     meter: CommMeter | None = None  # bytes on the wire per collective, this step
     resumed_counters: dict | None = None
+    fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
 
 
 def num_microbatches(cfg: Config, data_parallel: int) -> int:
@@ -161,10 +162,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
     ).to(device)
-    if recipe.param_dtype != torch.float32:
-        for p in model.parameters():  # parameters only: FP8 scaling buffers stay FP32
-            p.data = p.data.to(recipe.param_dtype)
-    lower_linear_weights(model)  # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots
+    apply_level_storage(model, recipe)  # bf16 params; O1-O3 scaled FP16 / FP8 linear weights
 
     chosen = None
     if recipe.fp8_gemm:
