@@ -55,9 +55,12 @@ def synchronize(device: torch.device | str | None = None) -> None:
 
 
 def memory_stats(device: torch.device | str | None = None) -> dict[str, int]:
-    """Allocator bytes on a CUDA device: allocated, reserved, max_allocated. ``{}`` on CPU."""
+    """Allocator bytes on a CUDA device: allocated, reserved, max_allocated. On CPU the
+    process's peak resident set size (``max_rss``), which includes more than tensors."""
     if not _is_cuda_device(device):
-        return {}
+        import resource  # POSIX only; absent on Windows, where no CPU figure is given
+
+        return {"max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     return {
         "allocated": torch.cuda.memory_allocated(device),
         "reserved": torch.cuda.memory_reserved(device),

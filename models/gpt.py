@@ -35,6 +35,7 @@ from models.transformer import (
     rotary_cos_sin,
     tp_size,
 )
+from parallel.pipeline.layout import PipelineLayout
 from parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
@@ -46,7 +47,7 @@ from parallel.tensor_parallel.layers import (
 )
 from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
-__all__ = ["GPTConfig", "GPTModel", "pad_vocab_size"]
+__all__ = ["GPTConfig", "GPTModel", "LayerDict", "pad_vocab_size"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
@@ -117,6 +118,18 @@ class GPTConfig(TransformerConfig):
         return cls(vocab_size=vocab_size, **kwargs)
 
 
+class LayerDict(nn.ModuleDict):
+    """Transformer layers keyed by their *global* index, so a pipeline stage holding layers 4
+    and 5 names them ``layers.4`` and ``layers.5`` exactly as the whole model does (a stage's
+    checkpoint is a subset of the single-rank one). Accepts ``layers[4]``; iterates modules."""
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 class GPTModel(nn.Module):
     """Decoder-only LM. ``forward(tokens)`` -> float32 logits, or per-token loss with labels.
 
@@ -124,6 +137,13 @@ class GPTModel(nn.Module):
     ``position_embeddings`` (learned only), ``layers.{i}.{input_norm, attention.qkv,
     attention.proj, post_attention_norm, mlp.fc1, mlp.fc2}``, ``final_norm``,
     ``output_layer`` (untied only).
+
+    Pipeline parallelism (``pipeline``: this rank's ``PipelineLayout``): the module holds only
+    this stage's layers (global names, see ``LayerDict``), the embeddings on the first stage,
+    the final norm and head on the last; ``forward_chunk`` runs one model chunk. With a tied
+    head the last stage keeps its own copy of ``word_embeddings``, equal at the start (both are
+    cut from one full model) and kept equal by summing the two copies' gradients
+    (``shared_embedding``), as Megatron does.
     """
 
     def __init__(
@@ -135,10 +155,17 @@ class GPTModel(nn.Module):
         device: torch.device | str | None = None,
         tp_group=None,
         sequence_parallel: bool = False,
+        pipeline: PipelineLayout | None = None,
     ):
         super().__init__()
         self.config = config
         self.recipe = recipe
+        self.pipeline = pipeline or PipelineLayout(config.num_layers)
+        if self.pipeline.num_layers != config.num_layers:
+            raise ValueError(
+                f"pipeline layout has {self.pipeline.num_layers} layers, the model "
+                f"{config.num_layers}"
+            )
         self.tp_group = tp_group if tp_size(tp_group) > 1 else None
         if sequence_parallel and self.tp_group is None:
             raise ValueError("sequence parallelism needs a tensor-parallel group of 2+ ranks")
@@ -148,50 +175,60 @@ class GPTModel(nn.Module):
                 f"{tp_size(tp_group)} (sequence parallelism splits the sequence)"
             )
         self.sequence_parallel = sequence_parallel
-        if self.tp_group is None:
+        if self.tp_group is None and not self.pipeline.is_split:
             self._build(config, recipe, scaling, device)
             if torch.device(device or "cpu").type != "meta":
                 self.init_weights()
             return
-        # Tensor parallel: build the single-rank model with the caller's RNG (the very draws a
-        # TP=1 run makes), build the sharded structure under a forked RNG, and keep this rank's
-        # slices, so TP=N starts from exactly the TP=1 weights and the RNG stream after
-        # construction is the same as at TP=1. Costs one full model's memory, transiently.
+        # Tensor or pipeline parallel: build the single-rank model with the caller's RNG (the
+        # very draws a single-process run makes), build this rank's structure under a forked
+        # RNG, and keep its slices, so every layout starts from exactly the single-process
+        # weights and the RNG stream after construction is the same as there. Costs one full
+        # model's memory, transiently.
         full = GPTModel(config, recipe, scaling, device=device)  # single rank: no TP, no SP
         with torch.random.fork_rng(devices=[]):
             self._build(config, recipe, scaling, device)
         self._load_full(full)
 
     def _build(self, config, recipe, scaling, device) -> None:
-        h, group = config.hidden_size, self.tp_group
-        if group is None:
-            self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
-        else:
-            self.word_embeddings = VocabParallelEmbedding(
-                config.vocab_size, h, group=group, device=device
-            )
+        h, group, stage = config.hidden_size, self.tp_group, self.pipeline
+        tied = not config.untie_embeddings_and_output_weights
+        self.word_embeddings = None
+        if stage.has_embedding() or (stage.has_head() and tied):
+            if group is None:
+                self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
+            else:
+                self.word_embeddings = VocabParallelEmbedding(
+                    config.vocab_size, h, group=group, device=device
+                )
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, h, device=device)
-            if config.position_embedding_type == "learned_absolute"
+            if config.position_embedding_type == "learned_absolute" and stage.has_embedding()
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         sp = self.sequence_parallel
-        self.layers = nn.ModuleList(
-            TransformerLayer(
-                config,
-                recipe,
-                scaling,
-                device=device,
-                tp_group=group,
-                sequence_parallel=sp,
-                recompute=config.recompute,
+        self.layers = LayerDict(
+            (
+                str(i),
+                TransformerLayer(
+                    config,
+                    recipe,
+                    scaling,
+                    device=device,
+                    tp_group=group,
+                    sequence_parallel=sp,
+                    recompute=config.recompute,
+                ),
             )
-            for _ in range(config.num_layers)
+            for i in stage.local_layers()
         )
+        self.final_norm = None
+        self.output_layer = None
+        if not stage.has_head():
+            return
         self.final_norm = make_norm(config, device=device, sp_group=group if sp else None)
         # recipe=None: the head stays in higher precision (module docstring).
-        self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             if group is None:
                 self.output_layer = Linear(h, config.vocab_size, False, recipe=None, device=device)
@@ -223,6 +260,23 @@ class GPTModel(nn.Module):
             if name not in handled:
                 param.copy_(reference[name])
 
+    def shared_embedding(self) -> nn.Parameter | None:
+        """The tied word-embedding weight when a pipeline split puts a copy of it on both the
+        first and the last stage (their gradients must be summed), else None."""
+        if not self.pipeline.is_split or self.config.untie_embeddings_and_output_weights:
+            return None
+        if self.word_embeddings is None:
+            return None
+        return self.word_embeddings.weight
+
+    def pipeline_duplicates(self) -> set[int]:
+        """ids of parameters that are copies of another stage's (the last stage's tied
+        embedding): norms count them once, on the first stage."""
+        shared = self.shared_embedding()
+        if shared is None or self.pipeline.has_embedding():
+            return set()
+        return {id(shared)}
+
     def tensor_parallel_sharded(self) -> set[int]:
         """ids of parameters split across the tensor-parallel group (the rest are replicated):
         norms of gradients sum these over the group and count replicated ones once."""
@@ -251,15 +305,50 @@ class GPTModel(nn.Module):
         the unreduced cross entropy ``[b, s]`` float32 (Megatron style: the caller applies the
         loss mask and averages). Labels equal to -100 give zero loss.
         """
-        b, s = tokens.shape
-        cfg = self.config
-        if position_ids is None:
-            if s > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {s} exceeds max_position_embeddings "
-                    f"{cfg.max_position_embeddings}"
-                )
-            position_ids = torch.arange(s, device=tokens.device)[None]  # [1, s]
+        if self.pipeline.is_split:
+            raise RuntimeError(
+                "this GPTModel is one pipeline stage; run it chunk by chunk with forward_chunk "
+                "(parallel/pipeline/engine.py does)"
+            )
+        position_ids = self._positions(tokens, position_ids)
+        x = self._embed(tokens, position_ids)
+        x = self._run_layers(x, position_ids, self.layers)
+        return self._head(x, labels)
+
+    def forward_chunk(
+        self,
+        chunk: int,
+        hidden: torch.Tensor | None,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run model chunk ``chunk`` of this pipeline stage. The model's first chunk embeds
+        ``tokens`` (``hidden`` is None); the others continue from the received ``hidden``
+        ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism). The last chunk returns what
+        ``forward`` returns; the others the hidden states to send on."""
+        stage = self.pipeline
+        position_ids = self._positions(tokens, position_ids)
+        if stage.has_embedding(chunk):
+            hidden = self._embed(tokens, position_ids)
+        layers = [self.layers[i] for i in stage.chunk_layers(chunk)]
+        hidden = self._run_layers(hidden, position_ids, layers)
+        if stage.has_head(chunk):
+            return self._head(hidden, labels)
+        return hidden
+
+    def _positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        if position_ids is not None:
+            return position_ids
+        s = tokens.shape[1]
+        if s > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {s} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        return torch.arange(s, device=tokens.device)[None]  # [1, s]
+
+    def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)  # [b, s, h]
@@ -268,11 +357,18 @@ class GPTModel(nn.Module):
             # From here to the head every rank holds its slice of the sequence: norms, dropout
             # and residuals work on [b, s/tp, h]; the GEMM layers gather and scatter.
             x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
+        return x
+
+    def _run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, layers) -> torch.Tensor:
+        cfg = self.config
         rotary = None
         if cfg.position_embedding_type == "rope":
             rotary = rotary_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base)
-        for layer in self.layers:
+        for layer in layers:
             x = layer(x, rotary)  # [b, s, h]
+        return x
+
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         x = self.final_norm(x)  # [b, s, h]
         if self.tp_group is not None:
             return self._parallel_head(x, labels)
@@ -283,6 +379,7 @@ class GPTModel(nn.Module):
         logits = logits.float()  # softmax / cross entropy in fp32 at every level
         if labels is None:
             return logits
+        b, s = logits.shape[:2]
         loss = F.cross_entropy(
             logits.view(b * s, -1), labels.reshape(b * s), reduction="none"
         )  # [b*s]

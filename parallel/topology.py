@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from fp8train import device as devices
+from parallel.pipeline.engine import PipelineGroups
 
 __all__ = ["Topology", "TopologyError", "init_distributed", "destroy_distributed"]
 
@@ -81,13 +82,14 @@ class Topology:
         """Every tensor-parallel group: adjacent ranks that differ only in their tp coordinate."""
         return [list(range(b, b + self.tensor)) for b in range(0, self.world_size, self.tensor)]
 
-    def require_supported(self) -> None:
-        """PP arrives with later work: say so rather than mis-train."""
-        if self.pipeline > 1:
-            raise TopologyError(
-                f"parallel.pipeline={self.pipeline}: pipeline parallelism is not implemented "
-                "yet; use parallel.pipeline=1"
-            )
+    def pipeline_ranks(self) -> list[list[int]]:
+        """Every pipeline: ranks that differ only in their pp coordinate, in stage order."""
+        stride = self.tensor * self.data
+        return [list(range(b, self.world_size, stride)) for b in range(stride)]
+
+    def embedding_ranks(self) -> list[list[int]]:
+        """First and last stage of every pipeline: the two holders of a tied embedding."""
+        return [[ranks[0], ranks[-1]] for ranks in self.pipeline_ranks()]
 
 
 @dataclass
@@ -98,6 +100,8 @@ class ProcessGroups:
     data: dist.ProcessGroup | None = None
     tensor: dist.ProcessGroup | None = None
     world: dist.ProcessGroup | None = None
+    pipeline: PipelineGroups | None = None
+    embedding: dist.ProcessGroup | None = None  # first + last stage (tied embedding copies)
 
 
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
@@ -130,6 +134,17 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
             group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
             if rank in ranks and len(ranks) > 1:
                 groups.tensor = group
+        if pipeline > 1:
+            for ranks in topology.pipeline_ranks():
+                # Three groups over the same ranks: activations and gradients each get their
+                # own point-to-point stream (parallel/pipeline/engine.py), sums a third.
+                made = [dist.new_group(ranks) for _ in range(3)]
+                if rank in ranks:
+                    groups.pipeline = PipelineGroups(ranks, *made)
+            for ranks in topology.embedding_ranks():
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups.embedding = group
     return groups, device
 
 

@@ -34,7 +34,10 @@ def test_tensor_groups_are_adjacent_ranks():
     assert t.tensor_parallel_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def test_unsupported_parallelism_says_not_implemented():
-    with pytest.raises(TopologyError, match="not implemented yet"):
-        Topology(world_size=2, rank=0, pipeline=2).require_supported()
-    Topology(world_size=4, rank=3, tensor=2).require_supported()  # TP x DP is fine
+def test_pipeline_groups_are_strided_and_in_stage_order():
+    # tp fastest, then dp, then pp: rank = tp + 2 * (dp + 2 * pp)
+    t = Topology(world_size=8, rank=5, tensor=2, pipeline=2)
+    assert t.pipeline_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (t.tp_rank, t.dp_rank, t.pp_rank, t.is_last_stage) == (1, 0, 1, True)
+    assert Topology(world_size=4, rank=0, pipeline=4).pipeline_ranks() == [[0, 1, 2, 3]]
+    assert Topology(world_size=4, rank=0, pipeline=4).embedding_ranks() == [[0, 3]]

@@ -387,6 +387,11 @@ class ParallelConfig(_Section):
     virtual_pipeline: int | None = _f(
         None, "Model chunks per pipeline stage (interleaved 1F1B); null = not interleaved.", ge=2
     )
+    pipeline_schedule: Literal["1f1b", "all_forward_all_backward"] = _f(
+        "1f1b",
+        "Pipeline schedule: 1f1b (interleaved when virtual_pipeline is set) or "
+        "all_forward_all_backward (GPipe).",
+    )
     sequence_parallel: bool = _f(False, "Shard norms/dropout over the sequence (needs tensor > 1).")
     backend: Literal["auto", "gloo", "nccl"] = _f(
         "auto", "Process-group backend; auto = nccl on CUDA, gloo on CPU."

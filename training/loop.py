@@ -3,7 +3,6 @@ checkpoint, resume. Megatron semantics: the logged loss is the mean over the log
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -12,7 +11,6 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
-from fp8train.linear import Linear
 from parallel.data_parallel import reduce_gradients
 from training.checkpointing import (
     latest_checkpoint,
@@ -23,6 +21,7 @@ from training.checkpointing import (
 )
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import gpt_flops_per_step, measure_cpu_peak_tflops, peak_tflops_for
+from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
 from training.optimizer import clip_grad_norm
@@ -36,57 +35,46 @@ def _print(rank_logs: bool, *args) -> None:
         print(*args, flush=True)
 
 
-def _autocast(state: RunState):
-    dtype = state.recipe.autocast_dtype
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=state.device.type, dtype=dtype)
-
-
 def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _forward_loss(state: RunState, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of masked token losses, number of tokens) of one micro-batch."""
-    with _autocast(state):
-        losses = state.model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
-    mask = batch["loss_mask"].float()
-    return (losses.float() * mask).sum(), mask.sum()
-
-
-def _allreduce_sum(values: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(values, group=group)
+def _sum_over_replicas(values: torch.Tensor, state: RunState) -> torch.Tensor:
+    """Sum over data-parallel replicas and pipeline stages (only the last holds the loss)."""
+    if state.groups.data is not None:
+        dist.all_reduce(values, group=state.groups.data)
+    if state.groups.pipeline is not None:
+        dist.all_reduce(values, group=state.groups.pipeline.collectives)
     return values
 
 
-def _track_health(state: RunState, on: bool) -> None:
-    if state.fp8_linears is None:  # found once: the module tree does not change
-        state.fp8_linears = [m for m in state.model.modules() if isinstance(m, Linear) and m.fp8]
-    for module in state.fp8_linears:
-        module.track_health = on
+def _sync_shared_embedding(state: RunState) -> None:
+    """Sum the gradients of the tied embedding's two copies (first and last stage)."""
+    shared = state.model.shared_embedding()
+    if shared is None:
+        return
+    grad = state.optimizer.grad_of(shared)
+    dist.all_reduce(grad, group=state.groups.embedding)
+    state.meter.record_collective(
+        "embedding_all_reduce", "all_reduce", "embedding", grad.dtype, grad.nbytes, 2
+    )
 
 
-def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -> dict:
+def train_step(
+    state: RunState, data_iter, n_micro: int, health: bool = False, grad_hook=None
+) -> dict:
     """One optimizer step over ``n_micro`` micro-batches. Returns step statistics.
 
     ``health``: measure FP8 cast underflow/saturation on the last micro-batch (for logging).
+    ``grad_hook(state)``: called once the gradients are final (summed over pipeline copies,
+    averaged over replicas, unscaled) and before clipping; tests read them there.
     """
     opt, scaler = state.optimizer, state.scaler
-    loss_sum = torch.zeros((), device=state.device)
-    tokens = torch.zeros((), device=state.device)
-    for micro in range(n_micro):
-        _track_health(state, health and micro == n_micro - 1)
-        batch = _to_device(next(data_iter), state.device)
-        total, count = _forward_loss(state, batch)
-        # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
-        scaler.scale(total / count.clamp(min=1) / n_micro).backward()
-        loss_sum += total.detach()
-        tokens += count
-    _track_health(state, False)
-    grads, slots = opt.grads(), opt.grad_slots()
+    batches = [_to_device(next(data_iter), state.device) for _ in range(n_micro)]
     state.meter.reset_step()
+    loss_and_tokens = forward_backward(state, batches, health=health)
+    _sync_shared_embedding(state)
+    grads, slots = opt.grads(), opt.grad_slots()
     reduce_gradients(grads, slots, state.groups.data, state.meter)
     comm = state.meter.step_summary()
     fp8_elements = sum(s.data.numel() for s in slots)
@@ -97,13 +85,18 @@ def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -
             torch._foreach_mul_(grads, unscale)
         for slot in slots:
             slot.mul_(unscale)  # exact: only the FP8 slot's scale changes
+    if grad_hook is not None:
+        grad_hook(state)
     stats = {}
+    pipeline = state.groups.pipeline
     grad_norm = clip_grad_norm(
         grads,
         state.cfg.training.clip_grad,
         slots,
         tp_group=state.groups.tensor,
         sharded=opt.sharded_flags(),
+        pp_group=pipeline.collectives if pipeline is not None else None,
+        counted=opt.counted_flags(),
     )
     norm = float(grad_norm)
     finite = math.isfinite(norm)
@@ -115,15 +108,17 @@ def train_step(state: RunState, data_iter, n_micro: int, health: bool = False) -
     scaler.update(found_inf=not finite)
     state.scheduler.step(1)
     opt.zero_grad()
-    reduced = _allreduce_sum(torch.stack([loss_sum, tokens]), state.groups.data)
+    reduced = _sum_over_replicas(loss_and_tokens, state)
     stats.update(loss=float(reduced[0] / reduced[1]), grad_norm=norm, skipped=not finite)
     # Wire bytes per gradient element: of the FP8 weight gradients alone when there are any
-    # (the "1 byte per element" claim), and of every gradient together.
+    # (the "1 byte per element" claim), and of every gradient collective together (the
+    # pipeline's activation sends are not gradient traffic).
     fp8_bytes = sum(v for k, v in comm.items() if "fp8" in k)
+    grad_bytes = sum(v for k, v in comm.items() if not k.startswith("pipeline_"))
     stats["comm"] = comm
     stats["fp8_logged"] = health
     stats["wire"] = fp8_bytes / fp8_elements if fp8_elements else None
-    stats["wire_all"] = sum(comm.values()) / max(all_elements, 1)
+    stats["wire_all"] = grad_bytes / max(all_elements, 1)
     return stats
 
 
@@ -134,18 +129,15 @@ def evaluate(state: RunState, n_micro: int) -> float:
     topo = state.groups.topology
     state.model.eval()
     it = micro_batches(state.valid_ds, 0, t.micro_batch_size, topo.dp_rank, topo.data)
-    loss_sum = torch.zeros((), device=state.device)
-    tokens = torch.zeros((), device=state.device)
+    batches = []
     for _ in range(t.eval_iters * n_micro):
         try:
-            batch = _to_device(next(it), state.device)
+            batches.append(_to_device(next(it), state.device))
         except StopIteration:
             break
-        total, count = _forward_loss(state, batch)
-        loss_sum += total
-        tokens += count
+    totals = forward_only(state, batches)
     state.model.train()
-    reduced = _allreduce_sum(torch.stack([loss_sum, tokens]), state.groups.data)
+    reduced = _sum_over_replicas(totals, state)
     return float(reduced[0] / reduced[1].clamp(min=1))
 
 
@@ -167,12 +159,13 @@ def _check_compatible(cfg: Config, saved: dict, path) -> None:
                 raise ConfigError(
                     f"config: {section}.{key}={value!r} but checkpoint {path} has {old!r}"
                 )
-    old_tp = saved["config"]["parallel"]["tensor"]
-    if old_tp != cfg.parallel.tensor:
-        raise ConfigError(
-            f"config: parallel.tensor={cfg.parallel.tensor} but checkpoint {path} was saved with "
-            f"{old_tp} (resharding checkpoints is not implemented yet)"
-        )
+    for key in ("tensor", "pipeline", "virtual_pipeline"):
+        old, new = saved["config"]["parallel"].get(key), getattr(cfg.parallel, key)
+        if old != new:
+            raise ConfigError(
+                f"config: parallel.{key}={new} but checkpoint {path} was saved with {old} "
+                "(resharding checkpoints is not implemented yet)"
+            )
     old_level = saved["config"]["precision"]["level"]
     if old_level != cfg.precision.level:
         raise ConfigError(
@@ -221,7 +214,9 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
 
 
 def _shard_name(topo) -> str:
-    return f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
+    """This rank's model slice in checkpoint file names: ``_tp1``, ``_pp0``, ``_tp1_pp0``."""
+    name = f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
+    return name + (f"_pp{topo.pp_rank}" if topo.pipeline > 1 else "")
 
 
 def _peak(state: RunState) -> tuple[float, str]:
@@ -309,8 +304,12 @@ def pretrain(cfg: Config) -> dict:
         if not printed_bytes and state.bytes_per_param:
             printed_bytes = True
             _print(logs, "> model-state bytes per parameter (this rank): " + _bytes_line(state))
-        if fp8_log and logs:  # per-layer FP8 health: amax, scale, underflow, saturation
-            fp8 = state.model.fp8_stats()
+            stages = _stage_memory(state)
+            if stages:
+                _print(logs, "> per pipeline stage: " + _stages_line(stages))
+        if fp8_log:  # per-layer FP8 health: amax, scale, underflow, saturation
+            fp8 = _gather_fp8_stats(state)
+        if fp8_log and logs:
             writer.scalars(
                 iteration + 1,
                 {f"fp8/{layer}/{k}": v for layer, roles in fp8.items() for k, v in roles.items()},
@@ -359,6 +358,19 @@ def pretrain(cfg: Config) -> dict:
     return {"iteration": iteration, "consumed_samples": consumed, **last}
 
 
+def _stages_line(stages: dict[str, float]) -> str:
+    parts = []
+    for stage in range(len(stages) // 3):
+        n = stages[f"mem-stage{stage}/num-parameters"]
+        b = stages[f"mem-stage{stage}/model-state-bytes"]
+        peak = stages[f"mem-stage{stage}/peak-bytes"]
+        parts.append(
+            f"stage {stage}: {n / 1e6:.2f}M params, model state {b / 2**20:.1f} MiB, "
+            f"peak {peak / 2**20:.0f} MiB"
+        )
+    return " | ".join(parts)
+
+
 def _bytes_line(state: RunState) -> str:
     parts = []
     for category, roles in state.bytes_per_param.items():
@@ -367,6 +379,38 @@ def _bytes_line(state: RunState) -> str:
         )
         parts.append(f"{category} {roles['total']:.2f} ({detail})")
     return " | ".join(parts)
+
+
+def _stage_memory(state: RunState) -> dict[str, float]:
+    """Per pipeline stage (collective over the stages; {} without a pipeline): parameters,
+    model-state bytes and peak memory of each stage's rank in this pipeline."""
+    pipeline = state.groups.pipeline
+    if pipeline is None:
+        return {}
+    whole = (state.bytes_per_param or {}).get("all", {})
+    n = whole.get("num-parameters", 0.0)
+    peak = max(devices.memory_stats(state.device).values(), default=0)
+    mine = torch.tensor([n, n * whole.get("total", 0.0), float(peak)], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in pipeline.ranks]
+    dist.all_gather(gathered, mine, group=pipeline.collectives)
+    out = {}
+    for stage, (params, state_bytes, peak_bytes) in enumerate(t.tolist() for t in gathered):
+        out[f"mem-stage{stage}/num-parameters"] = params
+        out[f"mem-stage{stage}/model-state-bytes"] = state_bytes
+        out[f"mem-stage{stage}/peak-bytes"] = peak_bytes
+    return out
+
+
+def _gather_fp8_stats(state: RunState) -> dict:
+    """Every stage's per-layer FP8 health at the rank that logs (layer names are global)."""
+    stats = state.model.fp8_stats()
+    pipeline = state.groups.pipeline
+    if pipeline is None:
+        return stats
+    # Plain dicts of floats between this job's own processes; nothing read from files.
+    gathered = [None] * len(pipeline.ranks)
+    dist.all_gather_object(gathered, stats, group=pipeline.collectives)
+    return {k: v for part in gathered for k, v in part.items()}
 
 
 def _log(
@@ -401,6 +445,7 @@ def _log(
     mem = devices.memory_stats(state.device)
     for key, value in mem.items():  # Megatron's names: mem-allocated-bytes, ...
         m[f"mem-{key.replace('_', '-')}-bytes"] = value
+    m.update(_stage_memory(state))
     if logs:
         print(format_console_line(iteration, state.cfg.training.train_iters, m), flush=True)
         if valid is not None:

@@ -34,6 +34,10 @@ class TrainOptimizer:
         # parameters count once). Read after lowering: lowered weights are new Parameters.
         sharded = getattr(model, "tensor_parallel_sharded", set)()
         self.sharded = [id(p) in sharded for p in self.model_params]
+        # A pipeline stage's copy of another stage's parameter (tied embedding): not counted
+        # in norms, so the pipeline-wide sum sees it once.
+        copies = getattr(model, "pipeline_duplicates", set)()
+        self.counted = [id(p) not in copies for p in self.model_params]
         names = {id(p): n for n, p in model.named_parameters()}
         self.use_master = recipe.has_fp32_master
         if self.use_master:
@@ -83,21 +87,32 @@ class TrainOptimizer:
 
     def grad_slots(self) -> list[Fp8GradSlot]:
         """FP8 weight gradients (O1-O3) that hold data this step."""
-        return [s for s, _ in self._slots_and_flags()]
-
-    def _slots_and_flags(self):
-        for p, sharded in zip(self.model_params, self.sharded):
-            slot = getattr(p, "main_grad", None)
-            if isinstance(slot, Fp8GradSlot) and slot.has_data:
-                yield slot, sharded
+        slots = (getattr(p, "main_grad", None) for p in self.model_params)
+        return [s for s in slots if isinstance(s, Fp8GradSlot) and s.has_data]
 
     def sharded_flags(self) -> tuple[list[bool], list[bool]]:
         """Which of ``grads()`` and of ``grad_slots()`` are tensor-parallel shards."""
+        return self._flags(self.sharded)
+
+    def counted_flags(self) -> tuple[list[bool], list[bool]]:
+        """Which of ``grads()`` and of ``grad_slots()`` count in the norm (not a copy)."""
+        return self._flags(self.counted)
+
+    def _flags(self, per_param: list[bool]) -> tuple[list[bool], list[bool]]:
         if self.use_master:
-            grad_flags = list(self.sharded)
+            grad_flags = list(per_param)
         else:
-            grad_flags = [f for p, f in zip(self.model_params, self.sharded) if p.grad is not None]
-        return grad_flags, [f for _, f in self._slots_and_flags()]
+            grad_flags = [f for p, f in zip(self.model_params, per_param) if p.grad is not None]
+        slot_flags = []
+        for p, flag in zip(self.model_params, per_param):
+            slot = getattr(p, "main_grad", None)
+            if isinstance(slot, Fp8GradSlot) and slot.has_data:
+                slot_flags.append(flag)
+        return grad_flags, slot_flags
+
+    def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The high-precision gradient the step will use for ``param`` (not for FP8 slots)."""
+        return param.main_grad if self.use_master else param.grad
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -197,6 +212,8 @@ def clip_grad_norm(
     *,
     tp_group=None,
     sharded: tuple[list[bool], list[bool]] | None = None,
+    pp_group=None,
+    counted: tuple[list[bool], list[bool]] | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
@@ -213,17 +230,25 @@ def clip_grad_norm(
     for slot in slots:
         # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
         squares.append(torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax)
-    if not squares:
+    if not squares and pp_group is None:
         return torch.zeros(())
-    squares = torch.stack(squares)
+    squares = torch.stack(squares) if squares else torch.zeros(0)
+    if counted is not None:
+        keep = torch.tensor(counted[0] + counted[1], dtype=torch.bool, device=squares.device)
+        squares = torch.where(keep, squares, torch.zeros_like(squares))
     if tp_group is not None and tp_group.size() > 1:
         flags = torch.tensor(sharded[0] + sharded[1], dtype=torch.bool, device=squares.device)
         parts = torch.stack([squares[flags].sum(), squares[~flags].sum()])
         shard_sum = parts[0:1].clone()
         torch.distributed.all_reduce(shard_sum, group=tp_group)
-        total = (shard_sum[0] + parts[1]).sqrt()
+        total_sq = shard_sum[0] + parts[1]
     else:
-        total = squares.sum().sqrt()
+        total_sq = squares.sum()
+    if pp_group is not None:
+        total_sq = total_sq.reshape(1).clone()
+        torch.distributed.all_reduce(total_sq, group=pp_group)
+        total_sq = total_sq[0]
+    total = total_sq.sqrt()
     if max_norm > 0 and math.isfinite(float(total)):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:

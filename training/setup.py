@@ -22,6 +22,7 @@ from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
 from models.gpt import GPTConfig, GPTModel
 from parallel.comm_meter import CommMeter
+from parallel.pipeline import PipelineEngine, PipelineLayout, PipelineLayoutError, check_schedule
 from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
@@ -49,6 +50,7 @@ class RunState:
     meter: CommMeter | None = None  # bytes on the wire per collective, this step
     resumed_counters: dict | None = None
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
+    engine: PipelineEngine | None = None  # None without pipeline parallelism
 
 
 def num_microbatches(cfg: Config, data_parallel: int) -> int:
@@ -137,13 +139,20 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
     topo = groups.topology
-    topo.require_supported()
     if cfg.parallel.sequence_parallel and cfg.model.seq_length % topo.tensor:
         raise ConfigError(
             f"config: model.seq_length={cfg.model.seq_length} is not divisible by "
             f"parallel.tensor={topo.tensor} (sequence parallelism splits the sequence)"
         )
-    num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
+    n_micro = num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
+    try:
+        layout = PipelineLayout(
+            cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
+        )
+        if layout.is_split:
+            check_schedule(cfg.parallel.pipeline_schedule, layout.stages, n_micro, layout.virtual)
+    except PipelineLayoutError as err:
+        raise ConfigError(f"config: {err}") from None
 
     tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
@@ -161,8 +170,29 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         _scaling(cfg),
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        pipeline=layout,
     ).to(device)
     apply_level_storage(model, recipe)  # bf16 params; O1-O3 scaled FP16 / FP8 linear weights
+    if topo.pp_rank > 0:
+        # Megatron's offset: every stage built the same full model from one seed; from here on
+        # the stages' streams (dropout) must differ, or their layers would share masks.
+        stage_seed = cfg.training.seed + 100 * topo.pp_rank
+        if groups.tensor is not None:
+            model_parallel_seed(stage_seed, topo.tp_rank, device)
+        else:
+            torch.manual_seed(stage_seed)
+    meter = CommMeter()
+    engine = None
+    if layout.is_split:
+        seq = cfg.model.seq_length // (topo.tensor if cfg.parallel.sequence_parallel else 1)
+        engine = PipelineEngine(
+            layout,
+            groups.pipeline,
+            shape=(cfg.training.micro_batch_size, seq, cfg.model.hidden_size),
+            dtype=recipe.param_dtype,  # the residual stream's dtype at every level
+            device=device,
+            meter=meter,
+        )
 
     chosen = None
     if recipe.fp8_gemm:
@@ -200,5 +230,6 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         train_ds=train_ds,
         valid_ds=valid_ds,
         gemm_backend=chosen,
-        meter=CommMeter(),
+        meter=meter,
+        engine=engine,
     )

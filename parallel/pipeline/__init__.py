@@ -1,0 +1,26 @@
+"""Pipeline parallelism: which layers live where (``layout``), in what order micro-batches move
+(``schedules``), and the executor that moves them between stages (``engine``)."""
+
+from parallel.pipeline.engine import PipelineEngine, PipelineGroups
+from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
+from parallel.pipeline.schedules import (
+    SCHEDULES,
+    Op,
+    check_schedule,
+    schedule_ops,
+    simulate,
+    theoretical_bubble,
+)
+
+__all__ = [
+    "PipelineEngine",
+    "PipelineGroups",
+    "PipelineLayout",
+    "PipelineLayoutError",
+    "SCHEDULES",
+    "Op",
+    "check_schedule",
+    "schedule_ops",
+    "simulate",
+    "theoretical_bubble",
+]

@@ -1,0 +1,168 @@
+"""Pipeline schedules as plain op lists, plus a timing simulator for their bubbles.
+
+A schedule is, per pipeline rank, the order in which that rank runs forward (``F``) and backward
+(``B``) passes of (model chunk, micro-batch) pairs. Writing it down as data keeps the three
+schedules a few lines each, lets one executor (``parallel/pipeline/engine.py``) run all of them,
+and lets tests and ``tools/bench_pipeline.py`` check them without processes.
+
+- ``all_forward_all_backward`` (GPipe): every forward, then every backward. Bubble
+  ``(p-1)/(m+p-1)``, but all ``m`` micro-batches' activations are alive at once.
+- ``1f1b`` without virtual chunks (PipeDream-Flush, Megatron's default): ``p - rank - 1`` warm-up
+  forwards, then one forward and one backward in turn, then the remaining backwards. Same
+  bubble, at most ``p`` micro-batches in flight.
+- ``1f1b`` with ``V`` virtual chunks (Megatron's interleaved schedule): micro-batches move
+  through chunks in groups of ``p``; the bubble shrinks to ``(p-1)/(V*m+p-1)`` for the price of
+  ``V`` times the point-to-point traffic. Needs ``m`` a multiple of ``p``.
+
+Backward passes of any one chunk run in micro-batch order 0, 1, ..., m-1, as the forwards do, so
+gradients accumulate in the same order as with pipeline=1 (same sums, same rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.pipeline.layout import PipelineLayoutError
+
+__all__ = [
+    "SCHEDULES",
+    "Op",
+    "check_schedule",
+    "schedule_ops",
+    "simulate",
+    "theoretical_bubble",
+]
+
+SCHEDULES = ("1f1b", "all_forward_all_backward")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" forward, "B" backward
+    chunk: int
+    micro: int
+
+
+def check_schedule(name: str, stages: int, num_micro: int, virtual: int = 1) -> None:
+    """Raise ``PipelineLayoutError`` (naming config keys) for a layout the schedule cannot run."""
+    if name not in SCHEDULES:
+        raise PipelineLayoutError(
+            f"parallel.pipeline_schedule={name!r}: choose one of {', '.join(SCHEDULES)}"
+        )
+    if num_micro < 1:
+        raise PipelineLayoutError(f"{num_micro} micro-batches per step: need at least one")
+    if virtual > 1 and name == "1f1b":
+        if num_micro < stages or num_micro % stages:
+            raise PipelineLayoutError(
+                f"interleaved 1F1B (parallel.virtual_pipeline={virtual}) needs the micro-batches "
+                f"per step ({num_micro} = training.global_batch_size / (micro_batch_size x "
+                f"data-parallel size)) to be a multiple of parallel.pipeline ({stages})"
+            )
+
+
+def _virtual_op(k: int, stages: int, virtual: int, forward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of a rank's k-th forward or backward in the interleaved order:
+    groups of ``stages`` micro-batches go through chunk 0, then chunk 1, ... (backwards through
+    the chunks in reverse)."""
+    group, within = divmod(k, stages * virtual)
+    chunk = within // stages
+    if not forward:
+        chunk = virtual - 1 - chunk
+    return chunk, group * stages + within % stages
+
+
+def schedule_ops(name: str, stages: int, rank: int, num_micro: int, virtual: int = 1) -> list[Op]:
+    """The ordered forward/backward ops of pipeline ``rank`` for one optimizer step."""
+    check_schedule(name, stages, num_micro, virtual)
+    total = num_micro * virtual
+
+    def fwd(k: int) -> Op:
+        return Op("F", *_virtual_op(k, stages, virtual, True))
+
+    def bwd(k: int) -> Op:
+        return Op("B", *_virtual_op(k, stages, virtual, False))
+
+    if name == "all_forward_all_backward":
+        return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
+    if virtual == 1:
+        warmup = min(stages - rank - 1, num_micro)
+    elif num_micro == stages:
+        warmup = total  # Megatron: nothing to interleave with, run every forward first
+    else:
+        warmup = min((stages - rank - 1) * 2 + (virtual - 1) * stages, total)
+    ops = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [fwd(warmup + k), bwd(k)]
+    ops += [bwd(k) for k in range(total - warmup, total)]
+    return ops
+
+
+def _producer(op: Op, rank: int, stages: int, virtual: int):
+    """(rank, op) whose output ``op`` consumes from another rank, or None."""
+    if op.kind == "F":
+        if rank == 0 and op.chunk == 0:
+            return None
+        if rank > 0:
+            return rank - 1, Op("F", op.chunk, op.micro)
+        return stages - 1, Op("F", op.chunk - 1, op.micro)
+    if rank == stages - 1 and op.chunk == virtual - 1:
+        return None  # the loss: its own forward, earlier on this rank
+    if rank < stages - 1:
+        return rank + 1, Op("B", op.chunk, op.micro)
+    return 0, Op("B", op.chunk + 1, op.micro)
+
+
+def simulate(
+    name: str,
+    stages: int,
+    num_micro: int,
+    virtual: int = 1,
+    t_forward: float = 1.0,
+    t_backward: float = 2.0,
+) -> dict:
+    """Run the schedule on paper: ranks execute their ops in order, a received input is ready
+    when its producer finishes (free communication), each chunk costs ``t / virtual``.
+
+    Returns ``{"makespan", "busy": [per rank], "bubble": [per rank idle fraction]}``; raises
+    ``RuntimeError`` if the schedule deadlocks (no rank can make progress).
+    """
+    plans = [schedule_ops(name, stages, r, num_micro, virtual) for r in range(stages)]
+    done: list[dict[Op, float]] = [{} for _ in range(stages)]
+    clock = [0.0] * stages
+    busy = [0.0] * stages
+    pos = [0] * stages
+    remaining = sum(len(p) for p in plans)
+    while remaining:
+        progressed = False
+        for r in range(stages):
+            while pos[r] < len(plans[r]):
+                op = plans[r][pos[r]]
+                need = _producer(op, r, stages, virtual)
+                ready = 0.0
+                if need is not None:
+                    src, src_op = need
+                    if src_op not in done[src]:
+                        break
+                    ready = done[src][src_op]
+                cost = (t_forward if op.kind == "F" else t_backward) / virtual
+                start = max(clock[r], ready)
+                clock[r] = start + cost
+                busy[r] += cost
+                done[r][op] = clock[r]
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {name} deadlocks: p={stages} m={num_micro} v={virtual}")
+    makespan = max(clock)
+    return {
+        "makespan": makespan,
+        "busy": busy,
+        "bubble": [1.0 - b / makespan for b in busy],
+    }
+
+
+def theoretical_bubble(stages: int, num_micro: int, virtual: int = 1) -> float:
+    """Idle fraction of a step: ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(V*m+p-1)`` (Narayanan
+    et al. 2021, with uniform stage times)."""
+    return (stages - 1) / (virtual * num_micro + stages - 1)

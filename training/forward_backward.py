@@ -1,0 +1,123 @@
+"""Forward and backward over one step's micro-batches, with or without a pipeline.
+
+Without pipeline parallelism this is gradient accumulation: each micro-batch's loss (mean over
+its tokens, divided by the number of micro-batches, Megatron's normalisation) is backpropagated
+in turn. With it, the same per-micro-batch losses are computed on the last stage and the
+schedule's op list (``parallel/pipeline``) decides the order; every gradient is the same sum of
+the same terms, so pipeline=P equals pipeline=1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fp8train.linear import Linear
+from parallel.pipeline import schedule_ops
+
+__all__ = ["forward_backward", "forward_only", "track_health"]
+
+
+def _autocast(state):
+    dtype = state.recipe.autocast_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def _masked_loss(losses: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of masked token losses, number of tokens) of one micro-batch."""
+    mask = batch["loss_mask"].float()
+    return (losses.float() * mask).sum(), mask.sum()
+
+
+def track_health(state, on: bool) -> None:
+    """Switch FP8 underflow/saturation measurement of every FP8 linear on or off."""
+    if state.fp8_linears is None:  # found once: the module tree does not change
+        state.fp8_linears = [m for m in state.model.modules() if isinstance(m, Linear) and m.fp8]
+    for module in state.fp8_linears:
+        module.track_health = on
+
+
+def forward_backward(state, batches: list[dict], health: bool = False) -> torch.Tensor:
+    """Forward and backward over ``batches`` (this step's micro-batches, on the device);
+    gradients accumulate in the parameters. Returns ``[sum of token losses, tokens]`` of the
+    micro-batches whose loss this rank computed (zeros on pipeline stages without the head).
+
+    ``health``: measure FP8 cast underflow/saturation from the last micro-batch's forward on.
+    """
+    n_micro = len(batches)
+    scaler = state.scaler
+    totals = torch.zeros(2, device=state.device)
+
+    def loss_of(losses: torch.Tensor, batch: dict) -> torch.Tensor:
+        total, count = _masked_loss(losses, batch)
+        totals.add_(torch.stack([total.detach(), count]))
+        # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
+        return scaler.scale(total / count.clamp(min=1) / n_micro)
+
+    try:
+        if state.engine is None:
+            for micro, batch in enumerate(batches):
+                track_health(state, health and micro == n_micro - 1)
+                with _autocast(state):
+                    losses = state.model(
+                        batch["tokens"], batch.get("position_ids"), labels=batch["labels"]
+                    )
+                loss_of(losses, batch).backward()
+            return totals
+        model, layout = state.model, state.engine.layout
+
+        def forward(chunk: int, micro: int, hidden):
+            if health and micro == n_micro - 1:
+                track_health(state, True)
+            batch = batches[micro]
+            with _autocast(state):
+                out = model.forward_chunk(
+                    chunk, hidden, batch["tokens"], batch.get("position_ids"), batch["labels"]
+                )
+            return loss_of(out, batch) if layout.has_head(chunk) else out
+
+        ops = schedule_ops(
+            state.cfg.parallel.pipeline_schedule,
+            layout.stages,
+            layout.rank,
+            n_micro,
+            layout.virtual,
+        )
+        state.engine.run(ops, forward)
+        return totals
+    finally:
+        track_health(state, False)
+
+
+@torch.no_grad()
+def forward_only(state, batches: list[dict]) -> torch.Tensor:
+    """``[sum of token losses, tokens]`` over ``batches`` without gradients (evaluation)."""
+    totals = torch.zeros(2, device=state.device)
+    if state.engine is None:
+        for batch in batches:
+            with _autocast(state):
+                losses = state.model(
+                    batch["tokens"], batch.get("position_ids"), labels=batch["labels"]
+                )
+            totals.add_(torch.stack(_masked_loss(losses, batch)))
+        return totals
+    model, layout = state.model, state.engine.layout
+
+    def forward(chunk: int, micro: int, hidden):
+        batch = batches[micro]
+        with _autocast(state):
+            out = model.forward_chunk(
+                chunk, hidden, batch["tokens"], batch.get("position_ids"), batch["labels"]
+            )
+        if layout.has_head(chunk):
+            totals.add_(torch.stack(_masked_loss(out, batch)))
+        return out
+
+    ops = schedule_ops(
+        "all_forward_all_backward", layout.stages, layout.rank, len(batches), layout.virtual
+    )
+    state.engine.run([op for op in ops if op.kind == "F"], forward, backward=False)
+    return totals
