@@ -6,7 +6,8 @@ Layout of ``checkpoint.dir``::
     iter_0000100/
         model.safetensors     model state (FP8 scaling buffers included); data-parallel rank 0
         optimizer.safetensors optimizer states and masters; data-parallel rank 0
-                              (under tensor parallelism one pair per slice: model_tp{t}...)
+                              (one pair per model slice under tensor / pipeline
+                              parallelism: model_tp{t}_pp{p}.safetensors, ...)
         rng_rank{r}.safetensors  each rank's RNG states (dropout streams differ per rank later)
         metadata.json         config, iteration, consumed samples, scheduler, loss scaler, ...
 
@@ -97,8 +98,9 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    ``shard`` names this rank's model slice in the file names (``model_tp1.safetensors``
-    under tensor parallelism); data-parallel replicas write nothing (``writes_replicated``).
+    ``shard`` names this rank's model slice in the file names (``model_tp1_pp0.safetensors``
+    under tensor and pipeline parallelism); data-parallel replicas write nothing
+    (``writes_replicated``).
     """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
