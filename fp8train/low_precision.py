@@ -91,6 +91,12 @@ class Fp8GradSlot:
     ``amax`` is the largest magnitude the slot represents; it is inf/NaN when an accumulated
     gradient overflowed, which is how the step's inf check sees an FP8 gradient (the cast itself
     saturates, so the bytes alone would hide the overflow).
+
+    Every update writes in place, so ``data``, ``scale_inv`` and ``amax`` may be views into
+    contiguous buffers owned by someone else (``bind``: the data-parallel gradient buckets of
+    ``parallel/grad_buffer.py``). ``on_accumulate``, when set, is called after each
+    accumulation: that is how a bucket learns its FP8 gradients are ready, since they never
+    pass through autograd's ``.grad``.
     """
 
     fmt: FP8Format = E4M3
@@ -100,20 +106,38 @@ class Fp8GradSlot:
         self.scale_inv = torch.ones((), device=device)
         self.amax = torch.zeros((), device=device)
         self.has_data = False  # host flag, set by code paths alone: never read from the device
+        self.on_accumulate = None
+
+    def bind(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
+        """Move the storage into the given views (same shape/dtype; 0-d scale and amax),
+        keeping the current contents."""
+        if data.shape != self.data.shape or data.dtype != self.data.dtype:
+            raise ValueError(
+                f"bind: data view {tuple(data.shape)} {data.dtype} does not match the slot's "
+                f"{tuple(self.data.shape)} {self.data.dtype}"
+            )
+        data.copy_(self.data)
+        scale_inv.copy_(self.scale_inv)
+        amax.copy_(self.amax)
+        self.data, self.scale_inv, self.amax = data, scale_inv, amax
 
     def accumulate(self, grad: torch.Tensor) -> None:
         total = grad.float() if not self.has_data else self.dequantize() + grad.float()
         amax = total.abs().amax()
         # Non-finite amax: keep it (the inf check reads it) but cast with a finite scale.
         scale = compute_scale(amax, self.fmt, fallback=1.0 / self.scale_inv)
-        self.data = cast_to_fp8(total, self.fmt, scale)
-        self.scale_inv = 1.0 / scale
-        self.amax = amax
+        self.data.copy_(cast_to_fp8(total, self.fmt, scale))
+        self.scale_inv.copy_(1.0 / scale)
+        self.amax.copy_(amax)
         self.has_data = True
+        if self.on_accumulate is not None:
+            self.on_accumulate()
 
     def assign(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
         """Replace the contents (e.g. with the data-parallel average)."""
-        self.data, self.scale_inv, self.amax = data, scale_inv, amax
+        self.data.copy_(data.view(self.data.shape))
+        self.scale_inv.copy_(scale_inv)
+        self.amax.copy_(amax)
         self.has_data = True
 
     def dequantize(self) -> torch.Tensor:
@@ -121,13 +145,13 @@ class Fp8GradSlot:
 
     def mul_(self, factor: torch.Tensor | float) -> None:
         """Multiply the represented gradient by ``factor``: only the scale changes (exact)."""
-        self.scale_inv = self.scale_inv * factor
-        self.amax = self.amax * abs(factor)
+        self.scale_inv.mul_(factor)
+        self.amax.mul_(abs(factor))
 
     def zero_(self) -> None:
         self.data.zero_()
-        self.scale_inv = torch.ones_like(self.scale_inv)
-        self.amax = torch.zeros_like(self.amax)
+        self.scale_inv.fill_(1.0)
+        self.amax.zero_()
         self.has_data = False
 
     @property

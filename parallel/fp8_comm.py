@@ -39,7 +39,11 @@ from .comm_meter import CommMeter
 
 __all__ = [
     "Fp8ReduceScatter",
+    "PendingFp8ReduceScatter",
+    "launch_reduce_scatter_fp8",
     "reduce_scatter_fp8",
+    "cast_owned_chunk",
+    "finish_allreduce_fp8",
     "allreduce_fp8_grads",
     "allreduce_fp32_grads",
 ]
@@ -62,6 +66,7 @@ class _Layout:
     padded: int
     chunk: int
     start: int
+    splits: tuple[int, ...]  # elements of the flat buffer going to each rank
     seg_ids: torch.Tensor  # int64 [S] (CPU master copy)
     seg_lengths: torch.Tensor  # int64 [S]
     _on_device: dict = field(default_factory=dict, repr=False)
@@ -82,15 +87,27 @@ class _Layout:
         return per_tensor[..., ids].repeat_interleave(lengths, dim=-1, output_size=self.chunk)
 
 
-@lru_cache(maxsize=64)
-def _layout(numels: tuple[int, ...], world: int, rank: int) -> _Layout:
+@lru_cache(maxsize=256)
+def _layout(
+    numels: tuple[int, ...], world: int, rank: int, bounds: tuple[int, ...] | None = None
+) -> _Layout:
+    """Equal chunks of the padded buffer by default; ``bounds`` (W+1 offsets, ending at the
+    total) gives each rank its own range instead, e.g. whole tensors per owner."""
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
     total = offsets[-1]
-    chunk = -(-total // world)  # ceil
-    padded = chunk * world
-    start, end = rank * chunk, (rank + 1) * chunk
+    if bounds is None:
+        chunk = -(-total // world)  # ceil
+        padded = chunk * world
+        splits = (chunk,) * world
+    else:
+        if len(bounds) != world + 1 or bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"bounds {bounds} must be {world + 1} offsets from 0 to {total}")
+        splits = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        chunk, padded = splits[rank], total
+    start = sum(splits[:rank])
+    end = start + chunk
     ids, lengths = [], []
     for i, n in enumerate(numels):  # loop over tensors, not elements
         lo, hi = max(start, offsets[i]), min(end, offsets[i] + n)
@@ -106,6 +123,7 @@ def _layout(numels: tuple[int, ...], world: int, rank: int) -> _Layout:
         padded=padded,
         chunk=chunk,
         start=start,
+        splits=splits,
         seg_ids=torch.tensor(ids, dtype=torch.int64),
         seg_lengths=torch.tensor(lengths, dtype=torch.int64),
     )
@@ -145,18 +163,55 @@ def _local_amax(slots: list[Fp8GradSlot]) -> torch.Tensor:
     return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
 
 
-def reduce_scatter_fp8(
+class PendingFp8ReduceScatter:
+    """A launched FP8 reduce-scatter: its two collectives are in flight; ``finish`` waits for
+    them and does the FP32 decode and sum (step 3)."""
+
+    def __init__(self, works, meta, recv, world, t, fmt, layout):
+        self._works, self._meta, self._recv = works, meta, recv
+        self._world, self._t, self.fmt, self.layout = world, t, fmt, layout
+
+    def finish(self) -> Fp8ReduceScatter:
+        for work in self._works:
+            work.wait()
+        world, t, layout = self._world, self._t, self.layout
+        meta = self._meta.view(world, 2 * t)
+        scale_inv_all = meta[:, :t]  # [W, T] each sender's own scale_inv
+        amax = meta[:, t:].amax(dim=0)  # [T]; NaN already inf on every sender
+        found_inf = ~torch.isfinite(amax).all()
+        # 3. Decode with each sender's scale (padding gets scale 0), sum in FP32, divide by W.
+        pad = torch.zeros(world, 1, dtype=torch.float32, device=meta.device)
+        table = torch.cat([scale_inv_all, pad], dim=1)  # [W, T+1]
+        pieces = self._recv.view(world, layout.chunk).view(self.fmt.dtype)
+        # One sender at a time keeps the temporaries at O(chunk), not O(W * chunk); the fixed
+        # rank order makes the FP32 sum deterministic.
+        chunk = pieces[0].float() * layout.per_element(table[0])
+        for src in range(1, world):
+            chunk.add_(pieces[src].float() * layout.per_element(table[src]))
+        chunk.div_(world)
+        return Fp8ReduceScatter(chunk, layout.start, amax, found_inf, self.fmt, layout)
+
+
+def launch_reduce_scatter_fp8(
     slots: list[Fp8GradSlot],
     group: dist.ProcessGroup,
     meter: CommMeter | None = None,
     group_name: str = "data",
-) -> Fp8ReduceScatter:
-    """Steps 1-3 of the module docstring: metadata all-gather, FP8 all-to-all, FP32 sum / W."""
+    flat: torch.Tensor | None = None,
+    bounds: tuple[int, ...] | None = None,
+) -> PendingFp8ReduceScatter:
+    """Steps 1-2 of the module docstring, asynchronously: metadata all-gather and FP8 all-to-all.
+
+    ``flat``: the slots' bytes already laid out contiguously (uint8, the slots' data in order,
+    then zero padding up to the layout's size), e.g. a gradient bucket whose slots are views
+    into it: sent as is, no copy. ``bounds``: each rank's range of the flat buffer (see
+    ``_layout``); default equal chunks. The slots must not change until ``finish``.
+    """
     fmt = _check_slots(slots)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = slots[0].data.device
     t = len(slots)
-    layout = _layout(tuple(s.data.numel() for s in slots), world, rank)
+    layout = _layout(tuple(s.data.numel() for s in slots), world, rank, bounds)
 
     # 1. Metadata: [scale_inv (T) | amax (T)] from every rank in one small collective.
     local_meta = torch.cat(
@@ -164,38 +219,85 @@ def reduce_scatter_fp8(
     )
     # Flat output: gloo accepts only the concatenated form, not [W, 2T].
     meta = torch.empty(world * 2 * t, dtype=torch.float32, device=device)
-    _all_gather_single(meta, local_meta, group=group)
-    meta = meta.view(world, 2 * t)
+    works = [_all_gather_single(meta, local_meta, group=group, async_op=True)]
     if meter is not None:
         meter.record_collective(
             "all_gather_fp8_meta", "all_gather", group_name, torch.float32, meta.nbytes, world
         )
-    scale_inv_all = meta[:, :t]  # [W, T] each sender's own scale_inv
-    amax = meta[:, t:].amax(dim=0)  # [T]; NaN already inf on every sender
-    found_inf = ~torch.isfinite(amax).all()
 
     # 2. Reduce-scatter as all-to-all on the raw bytes.
-    send = torch.zeros(layout.padded, dtype=torch.uint8, device=device)
-    recv = torch.zeros_like(send)
+    if flat is None:
+        send = torch.zeros(layout.padded, dtype=torch.uint8, device=device)
+        if layout.total:
+            torch.cat(
+                [s.data.reshape(-1).view(torch.uint8) for s in slots], out=send[: layout.total]
+            )
+    else:
+        if flat.numel() != layout.padded or flat.dtype != torch.uint8:
+            raise ValueError(f"flat buffer must be {layout.padded} uint8, got {flat.numel()}")
+        send = flat
+    recv = torch.zeros(world * layout.chunk, dtype=torch.uint8, device=device)
     if layout.total:  # all slots empty: nothing to move
-        torch.cat([s.data.reshape(-1).view(torch.uint8) for s in slots], out=send[: layout.total])
-        dist.all_to_all_single(recv, send, group=group)
+        works.append(
+            dist.all_to_all_single(
+                recv,
+                send,
+                output_split_sizes=[layout.chunk] * world,
+                input_split_sizes=list(layout.splits),
+                group=group,
+                async_op=True,
+            )
+        )
+    if meter is not None:
+        sent = sum(n for r, n in enumerate(layout.splits) if r != rank)
+        meter.record("reduce_scatter_fp8", group_name, torch.uint8, sent)
+    return PendingFp8ReduceScatter(works, meta, recv, world, t, fmt, layout)
+
+
+def reduce_scatter_fp8(
+    slots: list[Fp8GradSlot],
+    group: dist.ProcessGroup,
+    meter: CommMeter | None = None,
+    group_name: str = "data",
+    bounds: tuple[int, ...] | None = None,
+) -> Fp8ReduceScatter:
+    """Steps 1-3 of the module docstring: metadata all-gather, FP8 all-to-all, FP32 sum / W."""
+    return launch_reduce_scatter_fp8(slots, group, meter, group_name, bounds=bounds).finish()
+
+
+def cast_owned_chunk(rs: Fp8ReduceScatter) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4's single rounding: ``(owned chunk in E4M3, per-tensor scale [T])``, the scale
+    from the max-over-ranks amax, so every rank's chunk of a tensor uses the same one."""
+    scale = compute_scale(rs.amax, rs.fmt)  # [T]; 1.0 where amax is 0 or non-finite
+    one = torch.ones(1, dtype=torch.float32, device=scale.device)
+    owned = cast_to_fp8(rs.chunk, rs.fmt, rs.layout.per_element(torch.cat([scale, one])))
+    return owned, scale
+
+
+def finish_allreduce_fp8(
+    slots: list[Fp8GradSlot],
+    rs: Fp8ReduceScatter,
+    group: dist.ProcessGroup,
+    meter: CommMeter | None = None,
+    group_name: str = "data",
+) -> torch.Tensor:
+    """Step 4 after a reduce-scatter with equal chunks: round once, all-gather, assign."""
+    world = dist.get_world_size(group)
+    layout = rs.layout
+    owned, scale = cast_owned_chunk(rs)
+    gathered = torch.zeros(layout.padded, dtype=torch.uint8, device=owned.device)
+    if layout.total:
+        _all_gather_single(gathered, owned.view(torch.uint8), group=group)
     if meter is not None:
         meter.record_collective(
-            "reduce_scatter_fp8", "all_to_all", group_name, torch.uint8, send.nbytes, world
+            "all_gather_fp8", "all_gather", group_name, torch.uint8, gathered.nbytes, world
         )
-
-    # 3. Decode with each sender's scale (padding gets scale 0), sum in FP32, divide by W.
-    pad = torch.zeros(world, 1, dtype=torch.float32, device=device)
-    table = torch.cat([scale_inv_all, pad], dim=1)  # [W, T+1]
-    pieces = recv.view(world, layout.chunk).view(fmt.dtype)
-    # One sender at a time keeps the temporaries at O(chunk), not O(W * chunk); the fixed
-    # rank order makes the FP32 sum deterministic.
-    chunk = pieces[0].float() * layout.per_element(table[0])
-    for src in range(1, world):
-        chunk.add_(pieces[src].float() * layout.per_element(table[src]))
-    chunk.div_(world)
-    return Fp8ReduceScatter(chunk, layout.start, amax, found_inf, fmt, layout)
+    scale_inv = 1.0 / scale
+    data = gathered.view(rs.fmt.dtype)
+    for i, s in enumerate(slots):
+        lo, hi = layout.offsets[i], layout.offsets[i + 1]
+        s.assign(data[lo:hi].view(s.data.shape), scale_inv[i], rs.amax[i])
+    return rs.found_inf
 
 
 def allreduce_fp8_grads(
@@ -215,29 +317,8 @@ def allreduce_fp8_grads(
         return torch.zeros((), dtype=torch.bool)
     if group is None or dist.get_world_size(group) == 1:
         return ~torch.isfinite(_local_amax(slots)).all()
-    world = dist.get_world_size(group)
     rs = reduce_scatter_fp8(slots, group, meter, group_name)
-    layout, fmt = rs.layout, rs.fmt
-
-    # 4. One rounding: the owned FP32 chunk to E4M3 with the shared per-tensor scale.
-    scale = compute_scale(rs.amax, fmt)  # [T]; 1.0 where amax is 0 or non-finite
-    one = torch.ones(1, dtype=torch.float32, device=scale.device)
-    owned = cast_to_fp8(rs.chunk, fmt, layout.per_element(torch.cat([scale, one])))
-    gathered = torch.zeros(layout.padded, dtype=torch.uint8, device=owned.device)
-    if layout.total:
-        _all_gather_single(gathered, owned.view(torch.uint8), group=group)
-    if meter is not None:
-        meter.record_collective(
-            "all_gather_fp8", "all_gather", group_name, torch.uint8, gathered.nbytes, world
-        )
-
-    scale_inv = 1.0 / scale
-    data = gathered.view(fmt.dtype)
-    for i, s in enumerate(slots):
-        lo, hi = layout.offsets[i], layout.offsets[i + 1]
-        # Views into one flat buffer: no per-slot copies.
-        s.assign(data[lo:hi].view(s.data.shape), scale_inv[i], rs.amax[i])
-    return rs.found_inf
+    return finish_allreduce_fp8(slots, rs, group, meter, group_name)
 
 
 def allreduce_fp32_grads(
