@@ -99,7 +99,7 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
         ("training.trian_iters=5", "training.trian_iters"),
         ("parallel.pipeline=2", "parallel.pipeline"),
         ("parallel.tensor=2", "parallel.tensor"),
-        ("optimizer.distributed=true", "optimizer.distributed"),
+        ("parallel.ddp_bucket_size=0", "parallel.ddp_bucket_size"),
         ("training.global_batch_size=3", "training.global_batch_size"),
     ],
 )

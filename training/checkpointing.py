@@ -7,7 +7,9 @@ Layout of ``checkpoint.dir``::
         model.safetensors     model state (FP8 scaling buffers included); data-parallel rank 0
         optimizer.safetensors optimizer states and masters; data-parallel rank 0
                               (one pair per model slice under tensor / pipeline
-                              parallelism: model_tp{t}_pp{p}.safetensors, ...)
+                              parallelism: model_tp{t}_pp{p}.safetensors, ...;
+                              with the distributed optimizer every data-parallel rank
+                              writes its own optimizer{...}_dp{d}.safetensors)
         rng_rank{r}.safetensors  each rank's RNG states (dropout streams differ per rank later)
         metadata.json         config, iteration, consumed samples, scheduler, loss scaler, ...
 
@@ -95,12 +97,14 @@ def save_checkpoint(
     writes_replicated: bool,
     keep_last: int = 2,
     shard: str = "",
+    optimizer_file: str | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
     ``shard`` names this rank's model slice in the file names (``model_tp1_pp0.safetensors``
     under tensor and pipeline parallelism); data-parallel replicas write nothing
-    (``writes_replicated``).
+    (``writes_replicated``). ``optimizer_file``: this rank's own optimizer file, written by
+    every rank (the distributed optimizer's shards) instead of the replicated one.
     """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
@@ -113,6 +117,9 @@ def save_checkpoint(
     _barrier()
     if writes_replicated:
         save_file(_own_tensors(model_state), str(tmp / f"model{shard}.safetensors"))
+    if optimizer_file is not None:
+        save_file(_own_tensors(optimizer_state), str(tmp / optimizer_file))
+    elif writes_replicated:
         save_file(_own_tensors(optimizer_state), str(tmp / f"optimizer{shard}.safetensors"))
     save_file(_own_tensors(rng_state_tensors(device)), str(tmp / f"rng_rank{rank}.safetensors"))
     if rank == 0:
@@ -162,7 +169,9 @@ def read_metadata(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
 
 
-def load_checkpoint(path: str | os.PathLike, rank: int, shard: str = "") -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | os.PathLike, rank: int, shard: str = "", optimizer_file: str | None = None
+) -> LoadedCheckpoint:
     """Read one checkpoint (any rank). Missing or corrupt files raise naming the file."""
     path = Path(path)
 
@@ -185,6 +194,6 @@ def load_checkpoint(path: str | os.PathLike, rank: int, shard: str = "") -> Load
         path=path,
         metadata=metadata,
         model=read(path / f"model{shard}.safetensors"),
-        optimizer=read(path / f"optimizer{shard}.safetensors"),
+        optimizer=read(path / (optimizer_file or f"optimizer{shard}.safetensors")),
         rng=read(rng_file) if rng_file.exists() else {},
     )

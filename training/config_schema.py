@@ -393,6 +393,12 @@ class ParallelConfig(_Section):
         "all_forward_all_backward (GPipe).",
     )
     sequence_parallel: bool = _f(False, "Shard norms/dropout over the sequence (needs tensor > 1).")
+    overlap_grad_reduce: bool = _f(
+        True, "Start each gradient bucket's data-parallel reduction as soon as backward fills it."
+    )
+    ddp_bucket_size: int | None = _f(
+        None, "Elements per gradient bucket; null = max(40M, 1M x data-parallel size).", ge=1
+    )
     backend: Literal["auto", "gloo", "nccl"] = _f(
         "auto", "Process-group backend; auto = nccl on CUDA, gloo on CPU."
     )

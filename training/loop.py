@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
-from parallel.data_parallel import reduce_gradients
 from training.checkpointing import (
     latest_checkpoint,
     load_checkpoint,
@@ -72,13 +71,13 @@ def train_step(
     opt, scaler = state.optimizer, state.scaler
     batches = [_to_device(next(data_iter), state.device) for _ in range(n_micro)]
     state.meter.reset_step()
+    opt.buffers.start_step(n_micro)  # buckets reduce as backward fills them
     loss_and_tokens = forward_backward(state, batches, health=health)
-    _sync_shared_embedding(state)
+    # Wait for the buckets; the tied embedding's two pipeline copies are summed before its
+    # own (held-back) bucket is averaged over the replicas.
+    opt.buffers.finish(before_held=lambda: _sync_shared_embedding(state))
     grads, slots = opt.grads(), opt.grad_slots()
-    reduce_gradients(grads, slots, state.groups.data, state.meter)
-    comm = state.meter.step_summary()
-    fp8_elements = sum(s.data.numel() for s in slots)
-    all_elements = fp8_elements + sum(g.numel() for g in grads)
+    fp8_elements, all_elements = opt.grad_elements()
     if scaler.loss_scale != 1.0:
         unscale = 1.0 / scaler.loss_scale
         if grads:
@@ -97,11 +96,13 @@ def train_step(
         sharded=opt.sharded_flags(),
         pp_group=pipeline.collectives if pipeline is not None else None,
         counted=opt.counted_flags(),
+        dp_group=opt.norm_group,
     )
     norm = float(grad_norm)
     finite = math.isfinite(norm)
     if finite:
         opt.step()
+    comm = state.meter.step_summary()  # after the step: includes the weights' all-gather
     if state.bytes_per_param is None and finite:
         # Measured once, after the step (optimizer states exist) while gradients are alive.
         state.bytes_per_param = model_state_bytes(state.model, opt)
@@ -149,7 +150,7 @@ def _find_resume(cfg: Config):
     return None
 
 
-def _check_compatible(cfg: Config, saved: dict, path) -> None:
+def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
     """A checkpoint must come from the same model and level; name the first differing key."""
     now = config_to_dict(cfg)
     for section in ("model",):
@@ -166,6 +167,20 @@ def _check_compatible(cfg: Config, saved: dict, path) -> None:
                 f"config: parallel.{key}={new} but checkpoint {path} was saved with {old} "
                 "(resharding checkpoints is not implemented yet)"
             )
+    old_dist = saved["config"]["optimizer"].get("distributed", False)
+    if old_dist != cfg.optimizer.distributed:
+        raise ConfigError(
+            f"config: optimizer.distributed={str(cfg.optimizer.distributed).lower()} but "
+            f"checkpoint {path} was saved with {str(old_dist).lower()} (converting optimizer "
+            "state between the two is not implemented yet)"
+        )
+    world = cfg.parallel.tensor * cfg.parallel.pipeline
+    old_dp = saved.get("world_size", world) // world
+    if cfg.optimizer.distributed and old_dp != now_dp:
+        raise ConfigError(
+            f"config: the distributed optimizer's state in {path} is sharded over {old_dp} "
+            f"data-parallel ranks, this run has {now_dp} (resharding is not implemented yet)"
+        )
     old_level = saved["config"]["precision"]["level"]
     if old_level != cfg.precision.level:
         raise ConfigError(
@@ -176,8 +191,8 @@ def _check_compatible(cfg: Config, saved: dict, path) -> None:
 
 def _restore(state: RunState, path) -> tuple[int, int]:
     topo = state.groups.topology
-    ckpt = load_checkpoint(path, topo.rank, _shard_name(topo))
-    _check_compatible(state.cfg, ckpt.metadata, path)
+    _check_compatible(state.cfg, read_metadata(path), path, topo.data)
+    ckpt = load_checkpoint(path, topo.rank, _shard_name(topo), _optimizer_file(state))
     state.model.load_state_dict(ckpt.model, strict=True)
     state.optimizer.load_state_tensors(ckpt.optimizer)
     state.scheduler.load_state_dict(ckpt.metadata["scheduler"])
@@ -210,7 +225,16 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         writes_replicated=topo.dp_rank == 0,
         keep_last=state.cfg.checkpoint.keep_last,
         shard=_shard_name(topo),
+        optimizer_file=_optimizer_file(state),
     )
+
+
+def _optimizer_file(state: RunState) -> str | None:
+    """The distributed optimizer's per-rank state file (None: replicated, one per slice)."""
+    if not state.optimizer.distributed:
+        return None
+    topo = state.groups.topology
+    return f"optimizer{_shard_name(topo)}_dp{topo.dp_rank}.safetensors"
 
 
 def _shard_name(topo) -> str:

@@ -1,8 +1,9 @@
-"""AdamW for every implemented level: plain (fp32, fp16, te) or with FP32 masters (bf16).
+"""AdamW for every implemented level: plain (fp32, fp16, te), with FP32 masters (bf16), or
+LowBitAdamW (O1-O3), optionally sharded over data-parallel ranks (ZeRO-1); gradient clipping.
 
 The bf16 level keeps BF16 parameters for forward/backward, accumulates weight gradients into an
-FP32 ``main_grad`` (Megatron's trick: a backward hook adds each micro-batch's BF16 grad into FP32,
-so accumulation never rounds to BF16) and steps FP32 master copies, then copies them back.
+FP32 ``main_grad`` (the gradient buffers' hooks add each micro-batch's BF16 grad into FP32, so
+accumulation never rounds to BF16) and steps FP32 master copies, then copies them back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
 from fp8train.precision import PrecisionRecipe
+from parallel.distributed_optimizer import ParamGather, assign_owners
+from parallel.grad_buffer import GradBuffers, default_bucket_size
 
 __all__ = ["TrainOptimizer", "build_optimizer", "build_scheduler", "clip_grad_norm"]
 
@@ -25,11 +28,37 @@ def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 class TrainOptimizer:
-    """One object the loop talks to: grads in, a step out, whatever the level keeps inside."""
+    """One object the loop talks to: grads in, a step out, whatever the level keeps inside.
 
-    def __init__(self, model: torch.nn.Module, recipe: PrecisionRecipe, opt_cfg):
+    Gradients live in ``GradBuffers`` (parallel/grad_buffer.py): every high-precision
+    parameter's ``main_grad`` is an FP32 view into one flat buffer (BF16 gradients accumulate
+    there in FP32: Megatron's trick), every O1-O3 weight's FP8 slot a view into the FP8 one,
+    and the buffers reduce themselves over ``group`` bucket by bucket during backward.
+
+    ``distributed`` (ZeRO-1, ``optimizer.distributed``): each data-parallel rank owns whole
+    tensors (``parallel/distributed_optimizer.py``), keeps master weights and Adam states for
+    those alone, receives only their reduced gradients, steps them and all-gathers the updated
+    weights to the other ranks. ``grads()``, ``grad_slots()`` and the flags then cover the
+    owned parameters only, and norms add them up over ``norm_group``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        recipe: PrecisionRecipe,
+        opt_cfg,
+        *,
+        group=None,
+        distributed: bool = False,
+        bucket_size: int | None = None,
+        overlap: bool = True,
+        held=(),
+        meter=None,
+    ):
         self.recipe = recipe
         self.model_params = [p for p in model.parameters() if p.requires_grad]
+        world = 1 if group is None else torch.distributed.get_world_size(group)
+        rank = 0 if group is None else torch.distributed.get_rank(group)
         # Tensor-parallel shards (their squared norms are summed over the group; replicated
         # parameters count once). Read after lowering: lowered weights are new Parameters.
         sharded = getattr(model, "tensor_parallel_sharded", set)()
@@ -39,19 +68,34 @@ class TrainOptimizer:
         copies = getattr(model, "pipeline_duplicates", set)()
         self.counted = [id(p) not in copies for p in self.model_params]
         names = {id(p): n for n, p in model.named_parameters()}
+
+        self.distributed = distributed and world > 1
+        owners = None
+        if self.distributed:
+            owners = assign_owners([p.numel() for p in self.model_params], world)
+        self.owned = [owners is None or o == rank for o in (owners or [0] * len(self.model_params))]
+        self.norm_group = group if self.distributed else None
+        self.buffers = GradBuffers(
+            self.model_params,
+            group,
+            bucket_size=bucket_size or default_bucket_size(world),
+            owners=owners,
+            overlap=overlap,
+            held={id(p) for p in held},
+            meter=meter,
+        )
+        self.gather = ParamGather(self.model_params, owners, group, meter) if owners else None
+
+        self.step_params = [p for p, own in zip(self.model_params, self.owned) if own]
         self.use_master = recipe.has_fp32_master
-        if self.use_master:
-            # FP32 masters; BF16 grads are accumulated into FP32 main_grad by hooks.
-            self.master_params = [p.detach().float().clone() for p in self.model_params]
-            for p in self.model_params:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-            step_params = self.master_params
+        if self.use_master:  # FP32 masters of the BF16 parameters (owned ones only)
+            self.master_params = [p.detach().float().clone() for p in self.step_params]
+            opt_params = self.master_params
         else:
-            step_params = self.model_params
+            opt_params = self.step_params
         decay, no_decay = [], []
-        for model_p, step_p in zip(self.model_params, step_params):
-            (no_decay if _no_weight_decay(names[id(model_p)], model_p) else decay).append(step_p)
+        for model_p, opt_p in zip(self.step_params, opt_params):
+            (no_decay if _no_weight_decay(names[id(model_p)], model_p) else decay).append(opt_p)
         groups = [
             {"params": decay, "wd_mult": 1.0},
             {"params": no_decay, "wd_mult": 0.0},
@@ -62,7 +106,8 @@ class TrainOptimizer:
             eps=opt_cfg.adam_eps,
             weight_decay=opt_cfg.weight_decay,
         )
-        groups = [g for g in groups if g["params"]]
+        # Keep empty groups: a rank may own no decayed (or no undecayed) tensor, and the
+        # scheduler sets lr on every group by position.
         self.low_bit = recipe.weight_grad == "fp8"
         if self.low_bit:
             # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots; moments per the table.
@@ -74,21 +119,25 @@ class TrainOptimizer:
             )
         else:
             self.optimizer = torch.optim.AdamW(groups, foreach=True, **hyper)
+        self._state_index = {
+            i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
+        }
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def _is_slot(self, p) -> bool:
+        return isinstance(getattr(p, "main_grad", None), Fp8GradSlot)
+
     def grads(self) -> list[torch.Tensor]:
-        """High-precision gradients the step will use (FP32 main grads at bf16, else ``.grad``)."""
-        if self.use_master:
-            return [p.main_grad for p in self.model_params]
-        return [p.grad for p in self.model_params if p.grad is not None]
+        """FP32 gradients the step will use (the owned ones under the distributed optimizer)."""
+        return [p.main_grad for p in self.step_params if not self._is_slot(p)]
 
     def grad_slots(self) -> list[Fp8GradSlot]:
-        """FP8 weight gradients (O1-O3) that hold data this step."""
-        slots = (getattr(p, "main_grad", None) for p in self.model_params)
-        return [s for s in slots if isinstance(s, Fp8GradSlot) and s.has_data]
+        """FP8 weight gradients (O1-O3) that hold data this step (owned ones when sharded)."""
+        slots = (p.main_grad for p in self.step_params if self._is_slot(p))
+        return [s for s in slots if s.has_data]
 
     def sharded_flags(self) -> tuple[list[bool], list[bool]]:
         """Which of ``grads()`` and of ``grad_slots()`` are tensor-parallel shards."""
@@ -99,32 +148,38 @@ class TrainOptimizer:
         return self._flags(self.counted)
 
     def _flags(self, per_param: list[bool]) -> tuple[list[bool], list[bool]]:
-        if self.use_master:
-            grad_flags = list(per_param)
-        else:
-            grad_flags = [f for p, f in zip(self.model_params, per_param) if p.grad is not None]
-        slot_flags = []
-        for p, flag in zip(self.model_params, per_param):
-            slot = getattr(p, "main_grad", None)
-            if isinstance(slot, Fp8GradSlot) and slot.has_data:
+        grad_flags, slot_flags = [], []
+        for p, flag, own in zip(self.model_params, per_param, self.owned):
+            if not own:
+                continue
+            if not self._is_slot(p):
+                grad_flags.append(flag)
+            elif p.main_grad.has_data:
                 slot_flags.append(flag)
         return grad_flags, slot_flags
 
     def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The high-precision gradient the step will use for ``param`` (not for FP8 slots)."""
-        return param.main_grad if self.use_master else param.grad
+        """The FP32 gradient (``main_grad`` view) of a high-precision ``param``."""
+        return param.main_grad
+
+    def grad_elements(self) -> tuple[int, int]:
+        """(FP8 gradient elements, all gradient elements) of this replica, owned or not."""
+        fp8 = sum(p.numel() for p in self.model_params if self._is_slot(p))
+        return fp8, sum(p.numel() for p in self.model_params)
 
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is not None:
-                main_grad.zero_()
+        self.buffers.zero_()
 
     def param_state_bytes(self, index: int) -> tuple[int, int]:
-        """(master bytes, optimizer-state bytes) held for model parameter ``index``."""
-        param = self.model_params[index]
-        master = self.master_params[index] if self.use_master else None
+        """(master bytes, optimizer-state bytes) held on this rank for model parameter
+        ``index`` (0 for parameters another rank owns)."""
+        k = self._state_index.get(index)
+        if k is None:
+            return 0, 0
+        param = self.step_params[k]
+        master = self.master_params[k] if self.use_master else None
         state = self.optimizer.state.get(master if master is not None else param, {})
         master_bytes = master.nbytes if master is not None else 0
         other = 0
@@ -137,16 +192,23 @@ class TrainOptimizer:
         return master_bytes, other
 
     def step(self) -> None:
+        hp = [p for p in self.step_params if not self._is_slot(p)]
         if self.use_master:
-            for master, p in zip(self.master_params, self.model_params):
+            for master, p in zip(self.master_params, self.step_params):
                 master.grad = p.main_grad
             self.optimizer.step()
             with torch.no_grad():
-                for master, p in zip(self.master_params, self.model_params):
+                for master, p in zip(self.master_params, self.step_params):
                     p.copy_(master)
                     master.grad = None
         else:
+            for p in hp:
+                p.grad = p.main_grad  # AdamW reads .grad; a view, no copy
             self.optimizer.step()
+            for p in hp:
+                p.grad = None
+        if self.gather is not None:
+            self.gather.gather()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Flat name -> tensor view of everything the optimizer owns, for safetensors."""
@@ -175,15 +237,11 @@ class TrainOptimizer:
                     master.copy_(tensors[f"master.{index}"])
 
 
-def _accumulate_main_grad(param: torch.nn.Parameter) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
-
-
-def build_optimizer(model, recipe: PrecisionRecipe, opt_cfg) -> TrainOptimizer:
+def build_optimizer(model, recipe: PrecisionRecipe, opt_cfg, **buffers) -> TrainOptimizer:
+    """``buffers``: TrainOptimizer's keyword arguments (group, distributed, bucket_size, ...)."""
     if opt_cfg.type != "adamw":
         raise ValueError(f"optimizer.type={opt_cfg.type!r}: only 'adamw' is implemented")
-    return TrainOptimizer(model, recipe, opt_cfg)
+    return TrainOptimizer(model, recipe, opt_cfg, **buffers)
 
 
 def build_scheduler(
@@ -214,6 +272,7 @@ def clip_grad_norm(
     sharded: tuple[list[bool], list[bool]] | None = None,
     pp_group=None,
     counted: tuple[list[bool], list[bool]] | None = None,
+    dp_group=None,
 ) -> torch.Tensor:
     """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
@@ -230,7 +289,7 @@ def clip_grad_norm(
     for slot in slots:
         # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
         squares.append(torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax)
-    if not squares and pp_group is None:
+    if not squares and pp_group is None and dp_group is None:
         return torch.zeros(())
     squares = torch.stack(squares) if squares else torch.zeros(0)
     if counted is not None:
@@ -244,10 +303,11 @@ def clip_grad_norm(
         total_sq = shard_sum[0] + parts[1]
     else:
         total_sq = squares.sum()
-    if pp_group is not None:
-        total_sq = total_sq.reshape(1).clone()
-        torch.distributed.all_reduce(total_sq, group=pp_group)
-        total_sq = total_sq[0]
+    for group in (dp_group, pp_group):  # disjoint parameters: plain sums
+        if group is not None:
+            total_sq = total_sq.reshape(1).clone()
+            torch.distributed.all_reduce(total_sq, group=group)
+            total_sq = total_sq[0]
     total = total_sq.sqrt()
     if max_norm > 0 and math.isfinite(float(total)):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -130,11 +130,6 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     """Everything but resume. ``gemm_backend`` forces the FP8 GEMM backend (a resumed run
     reuses the one its checkpoint used, so the loss sequence stays bit-identical)."""
     recipe = get_recipe(cfg.precision.level).require_implemented()
-    if cfg.optimizer.distributed:
-        raise ConfigError(
-            "config: optimizer.distributed=true: the distributed optimizer is not implemented "
-            "yet; use optimizer.distributed=false"
-        )
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
@@ -199,7 +194,18 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         chosen = _agree_gemm_backend(gemm_backend or cfg.precision.fp8_gemm_backend, device)
         gemm.set_gemm_backend(chosen)
 
-    optimizer = build_optimizer(model, recipe, cfg.optimizer)
+    shared = model.shared_embedding()
+    optimizer = build_optimizer(
+        model,
+        recipe,
+        cfg.optimizer,
+        group=groups.data,
+        distributed=cfg.optimizer.distributed,
+        bucket_size=cfg.parallel.ddp_bucket_size,
+        overlap=cfg.parallel.overlap_grad_reduce,
+        held=[shared] if shared is not None else [],
+        meter=meter,
+    )
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
 
     t = cfg.training
