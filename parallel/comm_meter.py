@@ -71,14 +71,33 @@ class CommMeter:
         self._total: dict[tuple[str, str, str], int] = defaultdict(int)
         self._step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self._total_calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._step_elements: dict[str, int] = defaultdict(int)
 
-    def record(self, name: str, group_name: str, dtype: torch.dtype | str, nbytes: int) -> None:
-        """Add ``nbytes`` sent by this rank (already under the byte model: see ``wire_bytes``)."""
+    def record(
+        self,
+        name: str,
+        group_name: str,
+        dtype: torch.dtype | str,
+        nbytes: int,
+        elements: int | None = None,
+    ) -> None:
+        """Add ``nbytes`` sent by this rank (already under the byte model: see ``wire_bytes``).
+
+        ``elements``: how many tensor elements those bytes carry (default: ``nbytes`` over the
+        dtype's size; pass 0 for metadata such as scales, whose bytes are the collective's
+        overhead), so ``bytes_per_element`` can say what one element costs on the wire.
+        """
         key = (name, group_name, _dtype_name(dtype))
         self._step[key] += int(nbytes)
         self._total[key] += int(nbytes)
         self._step_calls[key] += 1
         self._total_calls[key] += 1
+        if elements is None:
+            size = (
+                torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 1
+            )
+            elements = int(nbytes) // size
+        self._step_elements[name] += int(elements)
 
     def record_collective(
         self,
@@ -97,6 +116,12 @@ class CommMeter:
     def reset_step(self) -> None:
         self._step.clear()
         self._step_calls.clear()
+        self._step_elements.clear()
+
+    def bytes_per_element(self) -> dict[str, float]:
+        """Collective name -> this step's bytes sent per element sent (metadata included)."""
+        summary = self.step_summary()
+        return {name: summary[name] / n for name, n in self._step_elements.items() if n > 0}
 
     def step_summary(self) -> dict[str, int]:
         """Collective name -> bytes sent this step (summed over groups and dtypes)."""

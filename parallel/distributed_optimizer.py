@@ -21,15 +21,24 @@ import torch.distributed as dist
 __all__ = ["assign_owners", "ownership_balance", "ParamGather"]
 
 
-def assign_owners(numels: list[int], world: int) -> list[int]:
+def assign_owners(numels: list[int], world: int, classes: list | None = None) -> list[int]:
     """Owner rank of each tensor: largest first, each to the rank with the fewest elements so
-    far (ties: lowest rank). Deterministic, so every rank computes the same answer."""
-    load = [0] * world
+    far (ties: lowest rank). Deterministic, so every rank computes the same answer.
+
+    ``classes`` (one hashable per tensor) balances each class on its own: tensors whose states
+    cost different bytes per element (O3 FP8 weights: 5-byte master + moments; FP32
+    embeddings and norms: 8-byte moments) are spread evenly each, so every rank's share of
+    the low-precision weights is ~1/W even when one large embedding sits on a single rank.
+    """
+    classes = classes or [0] * len(numels)
     owners = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += numels[i]
+    for cls in dict.fromkeys(classes):
+        load = [0] * world
+        members = [i for i in range(len(numels)) if classes[i] == cls]
+        for i in sorted(members, key=lambda i: (-numels[i], i)):
+            rank = min(range(world), key=lambda r: (load[r], r))
+            owners[i] = rank
+            load[rank] += numels[i]
     return owners
 
 
@@ -40,6 +49,11 @@ def ownership_balance(numels: list[int], owners: list[int], world: int) -> float
         load[r] += n
     total = sum(load)
     return max(load) * world / total if total else 1.0
+
+
+def _short(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return "fp8" if name.startswith("float8") else {"float16": "fp16"}.get(name, name)
 
 
 def _scale_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -107,13 +121,11 @@ class ParamGather:
     def _record(self) -> None:
         if self.meter is None:
             return
+        # One name per storage dtype (all_gather_params_fp8, ..._fp16, ..._float32), each
+        # weight's scale_inv metered as its overhead: bytes per element reads straight off.
         others = self.world - 1
-        by_dtype: dict[torch.dtype, int] = {}
-        scales = 0
         for p in self.mine:
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.nbytes
-            scales += 4 if _scale_of(p) is not None else 0
-        for dtype, nbytes in by_dtype.items():
-            self.meter.record("all_gather_params", "data", dtype, others * nbytes)
-        if scales:
-            self.meter.record("all_gather_params_meta", "data", torch.float32, others * scales)
+            name = "all_gather_params_" + _short(p.dtype)
+            self.meter.record(name, "data", p.dtype, others * p.nbytes, others * p.numel())
+            if _scale_of(p) is not None:
+                self.meter.record(name, "data", torch.float32, others * 4, elements=0)

@@ -5,7 +5,8 @@ every ring hop, so the error grows with the number of ranks and the patch pins N
 bytes travel through standard collectives (as ``uint8``: gloo has no FP8 dtype) and the sum is
 done in FP32 by the rank that owns each element:
 
-1. Metadata: one all-gather of every rank's ``(scale_inv, amax)`` per tensor (8 bytes/tensor).
+1. Metadata: one all-gather of every rank's ``(scale_inv, amax)`` per tensor (8 bytes/tensor,
+   metered as overhead of ``reduce_scatter_fp8``).
    The max over ranks of ``amax`` bounds ``|mean|``, so it fixes the output scale before any
    data moves; a non-finite amax anywhere makes the tensor's result amax inf (the step's
    overflow check reads it). NaN is turned into inf first: a MAX that ignores NaN would hide it.
@@ -35,7 +36,7 @@ from fp8train.formats import FP8Format, cast_to_fp8
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.scaling import compute_scale
 
-from .comm_meter import CommMeter
+from .comm_meter import CommMeter, wire_bytes
 
 __all__ = [
     "Fp8ReduceScatter",
@@ -220,9 +221,13 @@ def launch_reduce_scatter_fp8(
     # Flat output: gloo accepts only the concatenated form, not [W, 2T].
     meta = torch.empty(world * 2 * t, dtype=torch.float32, device=device)
     works = [_all_gather_single(meta, local_meta, group=group, async_op=True)]
-    if meter is not None:
-        meter.record_collective(
-            "all_gather_fp8_meta", "all_gather", group_name, torch.float32, meta.nbytes, world
+    if meter is not None:  # the scales are this collective's overhead: bytes, no elements
+        meter.record(
+            "reduce_scatter_fp8",
+            group_name,
+            torch.float32,
+            wire_bytes("all_gather", meta.nbytes, world),
+            elements=0,
         )
 
     # 2. Reduce-scatter as all-to-all on the raw bytes.

@@ -111,12 +111,16 @@ def train_step(
     opt.zero_grad()
     reduced = _sum_over_replicas(loss_and_tokens, state)
     stats.update(loss=float(reduced[0] / reduced[1]), grad_norm=norm, skipped=not finite)
-    # Wire bytes per gradient element: of the FP8 weight gradients alone when there are any
-    # (the "1 byte per element" claim), and of every gradient collective together (the
-    # pipeline's activation sends are not gradient traffic).
-    fp8_bytes = sum(v for k, v in comm.items() if "fp8" in k)
-    grad_bytes = sum(v for k, v in comm.items() if not k.startswith("pipeline_"))
+    # Wire bytes per gradient element: of the FP8 weight-gradient collectives alone when there
+    # are any (the "1 byte per element" claim at W=2), and of every gradient collective
+    # together (neither the pipeline's activation sends nor the weights' all-gather are
+    # gradient traffic). Per collective: bytes per element it carried, overhead included.
+    fp8_bytes = sum(comm.get(k, 0) for k in ("reduce_scatter_fp8", "all_gather_fp8"))
+    grad_bytes = sum(
+        v for k, v in comm.items() if not k.startswith(("pipeline_", "all_gather_params"))
+    )
     stats["comm"] = comm
+    stats["comm_per_element"] = state.meter.bytes_per_element()
     stats["fp8_logged"] = health
     stats["wire"] = fp8_bytes / fp8_elements if fp8_elements else None
     stats["wire_all"] = grad_bytes / max(all_elements, 1)
@@ -460,6 +464,7 @@ def _log(
         "comm-bytes": stats["comm"],
         "wire-bytes-per-grad-element": stats["wire"],
         "wire-bytes-per-grad-element-all": stats["wire_all"],
+        "wire-bytes-per-element": stats["comm_per_element"],
         "skipped-iterations": counters["skipped"],
         "nan-iterations": counters["nan"],
     }
@@ -484,6 +489,8 @@ def _log(
             scalars[f"bytes-per-param/{role}"] = value
         for name, value in m["comm-bytes"].items():
             scalars[f"comm-bytes/{name}"] = value
+        for name, value in m["wire-bytes-per-element"].items():
+            scalars[f"wire-bytes-per-element/{name}"] = value
         writer.scalars(iteration, scalars, samples=consumed)
         writer.record(m)
         writer.flush()

@@ -72,7 +72,11 @@ class TrainOptimizer:
         self.distributed = distributed and world > 1
         owners = None
         if self.distributed:
-            owners = assign_owners([p.numel() for p in self.model_params], world)
+            owners = assign_owners(
+                [p.numel() for p in self.model_params],
+                world,
+                classes=[self._is_slot(p) for p in self.model_params],
+            )
         self.owned = [owners is None or o == rank for o in (owners or [0] * len(self.model_params))]
         self.norm_group = group if self.distributed else None
         self.buffers = GradBuffers(
