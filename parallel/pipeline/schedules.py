@@ -5,8 +5,9 @@ A schedule is, per pipeline rank, the order in which that rank runs forward (``F
 schedules a few lines each, lets one executor (``parallel/pipeline/engine.py``) run all of them,
 and lets tests and ``tools/bench_pipeline.py`` check them without processes.
 
-- ``all_forward_all_backward`` (GPipe): every forward, then every backward. Bubble
-  ``(p-1)/(m+p-1)``, but all ``m`` micro-batches' activations are alive at once.
+- ``all_forward_all_backward`` (GPipe): every forward, then every backward (chunk by chunk
+  with virtual chunks). Bubble ``(p-1)/(m+p-1)``, but all ``m`` micro-batches' activations
+  are alive at once.
 - ``1f1b`` without virtual chunks (PipeDream-Flush, Megatron's default): ``p - rank - 1`` warm-up
   forwards, then one forward and one backward in turn, then the remaining backwards. Same
   bubble, at most ``p`` micro-batches in flight.
@@ -83,7 +84,10 @@ def schedule_ops(name: str, stages: int, rank: int, num_micro: int, virtual: int
         return Op("B", *_virtual_op(k, stages, virtual, False))
 
     if name == "all_forward_all_backward":
-        return [fwd(k) for k in range(total)] + [bwd(k) for k in range(total)]
+        # Chunk by chunk (any m, no grouping by p): every forward, then backwards in reverse.
+        forwards = [Op("F", c, mu) for c in range(virtual) for mu in range(num_micro)]
+        backwards = [Op("B", c, mu) for c in reversed(range(virtual)) for mu in range(num_micro)]
+        return forwards + backwards
     if virtual == 1:
         warmup = min(stages - rank - 1, num_micro)
     elif num_micro == stages:
