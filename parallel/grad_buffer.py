@@ -121,6 +121,10 @@ class GradBuffers:
         for fp8 in (False, True):
             if open_[fp8]:
                 groups.append((fp8, open_[fp8], False))
+        # Launch order = the order buckets are expected to fill: by the last-reached member
+        # (backward reaches parameters roughly in reverse registration order).
+        position = {id(p): k for k, p in enumerate(reversed(self.params))}
+        groups.sort(key=lambda g: max(position[id(p)] for p in g[1]))
         held_params = [p for p in self.params if id(p) in held]
         if held_params:
             groups.append((False, held_params, True))
