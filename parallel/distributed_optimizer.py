@@ -25,10 +25,10 @@ def assign_owners(numels: list[int], world: int, classes: list | None = None) ->
     """Owner rank of each tensor: largest first, each to the rank with the fewest elements so
     far (ties: lowest rank). Deterministic, so every rank computes the same answer.
 
-    ``classes`` (one hashable per tensor) balances each class on its own: tensors whose states
-    cost different bytes per element (O3 FP8 weights: 5-byte master + moments; FP32
-    embeddings and norms: 8-byte moments) are spread evenly each, so every rank's share of
-    the low-precision weights is ~1/W even when one large embedding sits on a single rank.
+    ``classes`` (one hashable per tensor) balances each class on its own: the linear weights
+    the precision table governs (O3: 5 bytes of master + moments per element) and the
+    embeddings, norms and biases (8 bytes of FP32 moments) are each spread evenly, so every
+    rank's share of the linear weights is ~1/W even when one large embedding sits on one rank.
     """
     classes = classes or [0] * len(numels)
     owners = [0] * len(numels)

@@ -19,11 +19,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools import bench_docs  # noqa: E402
 
 
-def _markers(section: str) -> tuple[str, str]:
-    tag = f"bench_levels:{section}" if section else "bench_levels"
-    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+def _tag(section: str) -> str:
+    return f"bench_levels:{section}" if section else "bench_levels"
 
 
 def _finished(metrics: Path, iters: int) -> bool:
@@ -115,15 +117,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def write_section(doc: Path, body: str, section: str = "") -> None:
-    BEGIN, END = _markers(section)  # noqa: N806
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body}\n{END}"
-    if BEGIN in text:
-        start, end = text.index(BEGIN), text.index(END) + len(END)
-        text = text[:start] + block + text[end:]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    bench_docs.write_section(doc, body, _tag(section))
 
 
 def main() -> None:

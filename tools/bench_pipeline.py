@@ -47,6 +47,7 @@ from parallel.pipeline.schedules import (  # noqa: E402
     simulate,
     theoretical_bubble,
 )
+from tools import bench_docs  # noqa: E402
 
 __all__ = ["SCHEDULE_ROWS", "measure", "table", "write_section"]
 
@@ -222,24 +223,12 @@ def summary(rows: list[dict]) -> str:
     return text
 
 
-def _markers() -> tuple[str, str]:
-    return "<!-- bench_pipeline:begin -->", "<!-- bench_pipeline:end -->"
-
-
 HEADING = "## Pipeline bubble per schedule (CPU, gloo, sleeping stages)"
 
 
 def write_section(doc: Path, body: str) -> None:
     """Replace the block between this tool's markers, or append it under its heading."""
-    begin, end = _markers()
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text:
-        start, stop = text.index(begin), text.index(end) + len(end)
-        text = text[:start] + block + text[stop:]
-    else:
-        text = text.rstrip() + f"\n\n{HEADING}\n\n{block}\n"
-    doc.write_text(text)
+    bench_docs.write_section(doc, body, "bench_pipeline", HEADING)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import math
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from fp8train.linear import Linear
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
 from fp8train.precision import PrecisionRecipe
@@ -72,10 +73,13 @@ class TrainOptimizer:
         self.distributed = distributed and world > 1
         owners = None
         if self.distributed:
+            # Linear (GEMM) weights apart from the rest, as training/memory.py reports them:
+            # each class spread evenly, so every rank holds ~1/W of the table-governed states.
+            linear = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
             owners = assign_owners(
                 [p.numel() for p in self.model_params],
                 world,
-                classes=[self._is_slot(p) for p in self.model_params],
+                classes=[id(p) in linear for p in self.model_params],
             )
         self.owned = [owners is None or o == rank for o in (owners or [0] * len(self.model_params))]
         self.norm_group = group if self.distributed else None

@@ -1,0 +1,34 @@
+"""Shared by the benchmark scripts: put a block of generated text into docs/BENCHMARKS.md.
+
+Each script owns a pair of HTML comment markers (``<!-- name:begin -->`` ...
+``<!-- name:end -->``); only the text between them is rewritten, so the prose around a table
+stays as people wrote it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["markers", "write_section"]
+
+
+def markers(tag: str) -> tuple[str, str]:
+    """The begin and end markers of block ``tag``."""
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+
+
+def write_section(doc: Path, body: str, tag: str, heading: str | None = None) -> None:
+    """Replace the block between ``tag``'s markers in ``doc``; if the document has none yet,
+    append the block at the end (under ``heading`` when given). A missing document is started
+    with a "# Benchmarks" title."""
+    begin, end = markers(tag)
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text:
+        start, stop = text.index(begin), text.index(end) + len(end)
+        text = text[:start] + block + text[stop:]
+    elif heading:
+        text = text.rstrip() + f"\n\n{heading}\n\n{block}\n"
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
