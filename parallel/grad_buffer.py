@@ -294,11 +294,6 @@ class GradBuffers:
             for slot in bucket.slots:
                 slot.zero_()
 
-    def owned(self, p) -> bool:
-        """Whether this rank holds ``p``'s reduced gradient after ``finish``."""
-        if self.owners is None:
-            return True
-        return self.owners[self.params.index(p)] == self.rank
 
 
 def _accumulate_then(ready: Callable[[], None]):
