@@ -295,7 +295,6 @@ class GradBuffers:
                 slot.zero_()
 
 
-
 def _accumulate_then(ready: Callable[[], None]):
     def hook(param: torch.nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
