@@ -43,17 +43,12 @@ exit 2 with one line naming the config key.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import REPO, tiny_overrides
+from multiproc import launch, rank_env, run_ranks, torchrun
 
 STEPS = 3
 LEVELS = ("fp32", "O2")
@@ -83,12 +78,6 @@ SAME_BUT_PIPELINE = {
 TIED = "word_embeddings.weight"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _grad(p) -> torch.Tensor:
     slot = getattr(p, "main_grad", None)
     if slot is not None and hasattr(slot, "dequantize"):  # O1-O3: FP8 weight gradient slot
@@ -113,7 +102,7 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
             w = _grad(module.weight).float()
             out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
             if module.bias is not None:
-                b = module.bias.grad
+                b = _grad(module.bias)
                 if isinstance(module, ColumnParallelLinear):
                     b = gather_full(b, 0, group, module.blocks)
                 out[f"{name}.bias"] = b
@@ -129,11 +118,7 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
     """One rank of every run in ``runs`` ((name, level) -> overrides): 3 training steps each;
     writes each step's final gradients (safetensors) and the step losses (JSON)."""
-    if world > 1:
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     from safetensors.torch import save_file
 
@@ -165,18 +150,6 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
     destroy_distributed()
 
 
-def _spawn(world: int, runs: dict, tmp: Path, timeout: float = 400) -> None:
-    context = mp.spawn(
-        _worker, args=(world, _free_port(), runs, str(tmp)), nprocs=world, join=False
-    )
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):  # raises with the worker's traceback if one fails
-        if time.monotonic() > deadline:  # a hung collective: gloo would wait 30 minutes
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"world-size {world} runs did not finish in {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
     """``results(name, level)`` -> per rank ``(grads, losses)``; spawns each world size's runs
@@ -196,7 +169,7 @@ def results(tiny_data, tmp_path_factory):
                 for lv in LEVELS
             }
             spawned[world] = None  # a failed spawn fails its tests without running again
-            _spawn(world, runs, tmp)
+            run_ranks(_worker, world, (runs, str(tmp)), timeout=400)
             spawned[world] = tmp
         if spawned[world] is None:
             pytest.fail(f"the world-size {world} runs failed (see the first failing test)")
@@ -266,16 +239,9 @@ def test_pipeline_changes_only_the_tied_embedding_sum(results, layout, level):
 # ---------------------------------------------------------------------------------------------
 # Through the real entry point.
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-
 
 def _torchrun(nproc, overrides, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config",
-                      "configs/gpt_tiny.yaml", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return torchrun(nproc, ["--config", "configs/gpt_tiny.yaml", *overrides], timeout=timeout)
 
 
 def _records(run_dir):
@@ -313,26 +279,7 @@ def test_pp2_entry_point_resume_checkpoint_and_stage_memory(tiny_data, tmp_path)
 def _launch(world, overrides, timeout=120):
     """``pretrain_gpt.py`` as ``world`` plain processes with torchrun's environment, so each
     rank's own exit code and output are seen (torchrun would add its traceback)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
-        cmd = [sys.executable, "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml", *overrides]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:  # only after a timeout are any still running
-            if p.poll() is None:
-                p.kill()
-    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+    return launch(world, ["--config", "configs/gpt_tiny.yaml", *overrides], timeout=timeout)
 
 
 @pytest.mark.parametrize(

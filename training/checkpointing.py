@@ -10,6 +10,8 @@ Layout of ``checkpoint.dir``::
                               parallelism: model_tp{t}_pp{p}.safetensors, ...;
                               with the distributed optimizer every data-parallel rank
                               writes its own optimizer{...}_dp{d}.safetensors)
+        fp8_scaling{...}_dp{d}.safetensors  each data-parallel replica's FP8 scaling state
+                              (amax histories differ between replicas: different data)
         rng_rank{r}.safetensors  each rank's RNG states (dropout streams differ per rank later)
         metadata.json         config, iteration, consumed samples, scheduler, loss scaler, ...
 
@@ -54,6 +56,7 @@ class LoadedCheckpoint:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    extra: dict[str, dict[str, torch.Tensor]]  # this rank's own extra files, by file name
 
 
 def _barrier():
@@ -98,6 +101,7 @@ def save_checkpoint(
     keep_last: int = 2,
     shard: str = "",
     optimizer_file: str | None = None,
+    extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
@@ -105,6 +109,8 @@ def save_checkpoint(
     under tensor and pipeline parallelism); data-parallel replicas write nothing
     (``writes_replicated``). ``optimizer_file``: this rank's own optimizer file, written by
     every rank (the distributed optimizer's shards) instead of the replicated one.
+    ``extra_files``: file name -> tensors that this rank writes whatever its replica (state
+    that differs between data-parallel replicas, e.g. FP8 scaling histories).
     """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
@@ -121,6 +127,8 @@ def save_checkpoint(
         save_file(_own_tensors(optimizer_state), str(tmp / optimizer_file))
     elif writes_replicated:
         save_file(_own_tensors(optimizer_state), str(tmp / f"optimizer{shard}.safetensors"))
+    for file_name, tensors in (extra_files or {}).items():
+        save_file(_own_tensors(tensors), str(tmp / file_name))
     save_file(_own_tensors(rng_state_tensors(device)), str(tmp / f"rng_rank{rank}.safetensors"))
     if rank == 0:
         meta = dict(metadata, iteration=iteration, format_version=FORMAT_VERSION)
@@ -170,7 +178,11 @@ def read_metadata(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, rank: int, shard: str = "", optimizer_file: str | None = None
+    path: str | os.PathLike,
+    rank: int,
+    shard: str = "",
+    optimizer_file: str | None = None,
+    extra_files: tuple[str, ...] = (),
 ) -> LoadedCheckpoint:
     """Read one checkpoint (any rank). Missing or corrupt files raise naming the file."""
     path = Path(path)
@@ -196,4 +208,5 @@ def load_checkpoint(
         model=read(path / f"model{shard}.safetensors"),
         optimizer=read(path / (optimizer_file or f"optimizer{shard}.safetensors")),
         rng=read(rng_file) if rng_file.exists() else {},
+        extra={name: read(path / name) for name in extra_files},
     )

@@ -196,8 +196,18 @@ def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
 def _restore(state: RunState, path) -> tuple[int, int]:
     topo = state.groups.topology
     _check_compatible(state.cfg, read_metadata(path), path, topo.data)
-    ckpt = load_checkpoint(path, topo.rank, _shard_name(topo), _optimizer_file(state))
-    state.model.load_state_dict(ckpt.model, strict=True)
+    replica_file = _replica_state_file(state)
+    ckpt = load_checkpoint(
+        path,
+        topo.rank,
+        _shard_name(topo),
+        _optimizer_file(state),
+        extra_files=(replica_file,) if replica_file else (),
+    )
+    model_state = ckpt.model
+    if replica_file:  # this replica's own FP8 scaling state over the replicated one
+        model_state = {**model_state, **ckpt.extra[replica_file]}
+    state.model.load_state_dict(model_state, strict=True)
     state.optimizer.load_state_tensors(ckpt.optimizer)
     state.scheduler.load_state_dict(ckpt.metadata["scheduler"])
     state.scaler.load_state_dict(ckpt.metadata["loss_scaler"])
@@ -218,10 +228,11 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         "world_size": topo.world_size,
         "counters": counters,
     }
+    model_state = state.model.state_dict()
     save_checkpoint(
         state.cfg.resolved_checkpoint_dir(),
         iteration,
-        model_state=state.model.state_dict(),
+        model_state=model_state,
         optimizer_state=state.optimizer.state_tensors(),
         metadata=meta,
         device=state.device,
@@ -230,7 +241,25 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         keep_last=state.cfg.checkpoint.keep_last,
         shard=_shard_name(topo),
         optimizer_file=_optimizer_file(state),
+        extra_files=_replica_state(state, model_state),
     )
+
+
+def _replica_state_file(state: RunState) -> str | None:
+    """Per data-parallel rank: its FP8 scaling state (amax histories, scales). Replicas see
+    different data, so their delayed-scaling histories differ; the model file holds rank 0's."""
+    topo = state.groups.topology
+    if topo.data == 1 or not state.recipe.fp8_gemm:
+        return None
+    return f"fp8_scaling{_shard_name(topo)}_dp{topo.dp_rank}.safetensors"
+
+
+def _replica_state(state: RunState, model_state: dict) -> dict:
+    name = _replica_state_file(state)
+    if name is None:
+        return {}
+    scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
+    return {name: scaling}
 
 
 def _optimizer_file(state: RunState) -> str | None:

@@ -1,0 +1,99 @@
+"""Multi-process helpers shared by the training tests: W local gloo ranks, always with a deadline.
+
+- ``run_ranks``: a Python function on W ranks with torchrun's environment (``rank_env``); each
+  worker gets ``(rank, world, port, *args)`` and writes its results to files the test reads
+  back. A worker's exception fails the calling test with its traceback; ranks that overrun the
+  deadline are killed (a hung collective on gloo would otherwise wait 30 minutes).
+- ``torchrun``: the real entry point under torchrun; asserts exit 0.
+- ``launch``: the entry point as W plain processes with torchrun's environment, so each rank's
+  own exit code and output are seen (torchrun would add its own traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+__all__ = ["REPO", "TORCHRUN", "free_port", "launch", "rank_env", "run_ranks", "torchrun"]
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """torchrun's variables for ``rank`` of ``world`` (nothing for a single process)."""
+    if world > 1:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+
+
+def run_ranks(
+    fn, world: int, args: tuple = (), *, timeout: float = 400, start_method: str = "spawn"
+) -> None:
+    """``fn(rank, world, port, *args)`` in ``world`` processes; returns when all succeeded.
+
+    ``start_method``: "spawn" (a fresh interpreter per rank) or "fork" (no re-import: seconds
+    faster per rank; the parent must not have started threads or a process group).
+    """
+    context = mp.start_processes(
+        fn,
+        args=(world, free_port(), *args),
+        nprocs=world,
+        join=False,
+        start_method=start_method,
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):  # raises with the worker's traceback if one fails
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"world-size {world} ranks did not finish in {timeout} s")
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``pretrain_gpt.py *args`` on ``nproc`` ranks under torchrun; asserts it exits 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "pretrain_gpt.py", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def launch(world: int, args: list[str], timeout: float = 120) -> list[tuple[int, str, str]]:
+    """``pretrain_gpt.py *args`` as ``world`` plain processes with torchrun's environment;
+    ``(exit code, stdout, stderr)`` per rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        cmd = [sys.executable, "pretrain_gpt.py", *args]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:  # only after a timeout are any still running
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
