@@ -43,6 +43,7 @@ exit 2 with one line naming the config key.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -240,8 +241,8 @@ def test_pipeline_changes_only_the_tied_embedding_sum(results, layout, level):
 # Through the real entry point.
 
 
-def _torchrun(nproc, overrides, timeout=300):
-    return torchrun(nproc, ["--config", "configs/gpt_tiny.yaml", *overrides], timeout=timeout)
+def _torchrun(nproc, overrides, timeout=300, config="configs/gpt_tiny.yaml"):
+    return torchrun(nproc, ["--config", config, *overrides], timeout=timeout)
 
 
 def _records(run_dir):
@@ -307,3 +308,19 @@ def test_impossible_pipeline_layout_exits_2_with_one_line(tmp_path, world, overr
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert all(not err.strip() for _, _, err in ranks[1:])  # one line, from rank 0 only
     assert not run_dir.exists()
+
+
+def test_shipped_3d_config_trains_through_torchrun(tiny_data, tmp_path):
+    """configs/gpt_tiny_3d.yaml as shipped (TP2 x PP2 interleaved x DP2, SP, O2) on 8 ranks;
+    only the data, the size and the length shrink so it takes seconds."""
+    run_dir = tmp_path / "3d"
+    overrides = tiny_overrides(
+        tiny_data, run_dir, "O2",
+        **{"model.num_layers": 4, "training.train_iters": 4, "training.global_batch_size": 8},
+    )  # fmt: skip
+    proc = _torchrun(8, overrides, config="configs/gpt_tiny_3d.yaml")
+    assert "world 8 (tp 2 pp 2 dp 2)" in proc.stdout
+    losses = [r["lm loss"] for r in _records(run_dir)]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    files = {p.name for p in (run_dir / "checkpoints" / "iter_0000004").iterdir()}
+    assert {f"model_tp{t}_pp{p}.safetensors" for t in (0, 1) for p in (0, 1)} <= files
