@@ -18,9 +18,10 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# The config is checked before torchrun starts, so a mistake costs one line, not a traceback.
+# The config and its layout on NPROC ranks are checked before torchrun starts, so a mistake
+# costs one line, not a traceback per rank.
 train: venv
-	$(BIN)/python -m training.config $(CONFIG) $(ARGS) > /dev/null
+	$(BIN)/python -m training.config --world-size $(NPROC) $(CONFIG) $(ARGS) > /dev/null
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) pretrain_gpt.py --config $(CONFIG) $(ARGS)
 
 test: venv

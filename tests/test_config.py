@@ -238,3 +238,25 @@ def test_levels_match_the_precision_recipes():
     from fp8train.precision import LEVELS
 
     assert set(PRECISION_LEVELS) == set(LEVELS)
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "needle"),
+    [
+        ("gpt_tiny.yaml", 2, None),
+        ("gpt_tiny.yaml", 4, "training.global_batch_size"),
+        ("gpt_tiny_3d.yaml", 8, None),
+        ("gpt_tiny_3d.yaml", 6, "parallel.pipeline"),
+        ("gpt_tiny_tp2_sp.yaml", 3, "parallel.tensor"),
+    ],
+)
+def test_preflight_checks_the_layout_for_a_world_size(capsys, config, world, needle):
+    """``make train``'s pre-flight: the layout rules that need the world size, one line each."""
+    from training.config import _main
+
+    code = _main(["--world-size", str(world), str(ROOT / "configs" / config)])
+    err = capsys.readouterr().err.strip()
+    if needle is None:
+        assert code == 0 and not err
+    else:
+        assert code == 2 and err.startswith("error: ") and needle in err and "\n" not in err

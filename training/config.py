@@ -259,15 +259,26 @@ _RULES = [
 
 
 def _main(argv: list[str]) -> int:
-    """``--reference``: print the key reference; ``FILE [k=v ...]``: validate, print resolved."""
+    """``--reference``: print the key reference; ``[--world-size N] FILE [k=v ...]``: validate
+    (with N, also the parallel layout and batch split for N ranks), print the resolved config."""
     if argv == ["--reference"]:
         sys.stdout.write(config_reference_markdown())
         return 0
+    world_size = None
+    if argv[:1] == ["--world-size"] and len(argv) > 1 and argv[1].isdigit():
+        world_size, argv = int(argv[1]), argv[2:]
     if not argv or argv[0].startswith("-"):
-        print("usage: python -m training.config --reference | CONFIG.yaml [key=value ...]")
+        print(
+            "usage: python -m training.config --reference | "
+            "[--world-size N] CONFIG.yaml [key=value ...]"
+        )
         return 2
     try:
         cfg = load_config(argv[0], argv[1:])
+        if world_size is not None:
+            from training.layout import check_layout  # imports torch: only when asked
+
+            check_layout(cfg, world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -22,13 +22,14 @@ from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
 from models.gpt import GPTConfig, GPTModel
 from parallel.comm_meter import CommMeter
-from parallel.pipeline import PipelineEngine, PipelineLayout, PipelineLayoutError, check_schedule
+from parallel.pipeline import PipelineEngine, PipelineLayout
 from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
+from training.layout import check_layout, num_microbatches
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
 
-__all__ = ["RunState", "build_run", "prepare_data", "num_microbatches"]
+__all__ = ["RunState", "build_run", "prepare_data", "num_microbatches", "check_layout"]
 
 
 @dataclass
@@ -51,17 +52,6 @@ class RunState:
     resumed_counters: dict | None = None
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
     engine: PipelineEngine | None = None  # None without pipeline parallelism
-
-
-def num_microbatches(cfg: Config, data_parallel: int) -> int:
-    t = cfg.training
-    per_step = t.micro_batch_size * data_parallel
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"config: training.global_batch_size={t.global_batch_size} is not divisible by "
-            f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {data_parallel}"
-        )
-    return t.global_batch_size // per_step
 
 
 def prepare_data(cfg: Config, rank: int):
@@ -134,20 +124,10 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
     topo = groups.topology
-    if cfg.parallel.sequence_parallel and cfg.model.seq_length % topo.tensor:
-        raise ConfigError(
-            f"config: model.seq_length={cfg.model.seq_length} is not divisible by "
-            f"parallel.tensor={topo.tensor} (sequence parallelism splits the sequence)"
-        )
-    n_micro = num_microbatches(cfg, topo.data)  # fail early on an impossible batch split
-    try:
-        layout = PipelineLayout(
-            cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
-        )
-        if layout.is_split:
-            check_schedule(cfg.parallel.pipeline_schedule, layout.stages, n_micro, layout.virtual)
-    except PipelineLayoutError as err:
-        raise ConfigError(f"config: {err}") from None
+    check_layout(cfg, topo.world_size)
+    layout = PipelineLayout(
+        cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
+    )
 
     tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
