@@ -7,10 +7,13 @@
 - ``torchrun``: the real entry point under torchrun; asserts exit 0.
 - ``launch``: the entry point as W plain processes with torchrun's environment, so each rank's
   own exit code and output are seen (torchrun would add its own traceback).
+- ``RunsByWorld``: many runs batched into one set of processes per world size, started on
+  first use; each rank leaves ``{name}_{level}_rank{r}.safetensors`` + ``.json`` behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -21,7 +24,16 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-__all__ = ["REPO", "TORCHRUN", "free_port", "launch", "rank_env", "run_ranks", "torchrun"]
+__all__ = [
+    "REPO",
+    "TORCHRUN",
+    "RunsByWorld",
+    "free_port",
+    "launch",
+    "rank_env",
+    "run_ranks",
+    "torchrun",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -97,3 +109,34 @@ def launch(world: int, args: list[str], timeout: float = 120) -> list[tuple[int,
             if p.poll() is None:
                 p.kill()
     return [(p.returncode, *out) for p, out in zip(procs, outputs)]
+
+
+class RunsByWorld:
+    """``runs(world, name, level)`` -> per rank ``(tensors, record)``.
+
+    ``make_runs(world, tmp)`` returns the ``{(name, level): job}`` of one world size; ``worker``
+    runs them all in one set of ``world`` processes (``run_ranks(worker, world, (jobs, tmp))``),
+    which happens once, on the first request for that world size. A failed start fails every
+    later request at once instead of starting again.
+    """
+
+    def __init__(self, worker, make_runs, tmp_path_factory, prefix: str, **run_kwargs):
+        self.worker, self.make_runs, self.factory = worker, make_runs, tmp_path_factory
+        self.prefix, self.run_kwargs = prefix, run_kwargs
+        self.done: dict[int, Path | None] = {}
+
+    def __call__(self, world: int, name: str, level: str) -> list[tuple[dict, dict]]:
+        from safetensors.torch import load_file
+
+        if world not in self.done:
+            tmp = self.factory.mktemp(f"{self.prefix}_world{world}")
+            self.done[world] = None
+            run_ranks(self.worker, world, (self.make_runs(world, tmp), str(tmp)), **self.run_kwargs)
+            self.done[world] = tmp
+        if self.done[world] is None:
+            pytest.fail(f"the world-size {world} runs failed (see the first failing test)")
+        stems = [self.done[world] / f"{name}_{level}_rank{r}" for r in range(world)]
+        return [
+            (load_file(f"{s}.safetensors"), json.loads(Path(f"{s}.json").read_text()))
+            for s in stems
+        ]

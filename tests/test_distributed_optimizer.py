@@ -75,7 +75,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import launch, rank_env, run_ranks, torchrun
+from multiproc import RunsByWorld, launch, rank_env, torchrun
 
 from parallel.distributed_optimizer import assign_owners, ownership_balance
 
@@ -285,38 +285,20 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
 def results(tiny_data, tmp_path_factory):
     """``results(name, level)`` -> per rank ``(tensors, record)``; forks each world size's runs
     once, on first use."""
-    from safetensors.torch import load_file
-
     # Imported here so that forked ranks inherit them instead of each importing megatron.
     import training.loop  # noqa: F401
 
-    spawned = {}
+    def make_runs(world, tmp):
+        return {
+            (n, lv): (tiny_overrides(tiny_data, tmp / n / lv, lv, **{**COMMON, **extra}), probes)
+            for n, (w, extra, levels, probes) in RUNS.items()
+            if w == world
+            for lv in levels
+        }
 
-    def get(name: str, level: str):
-        world = RUNS[name][0]
-        if world not in spawned:
-            tmp = tmp_path_factory.mktemp(f"dp_world{world}")
-            runs = {
-                (n, lv): (
-                    tiny_overrides(tiny_data, tmp / n / lv, lv, **{**COMMON, **extra}),
-                    probes,
-                )
-                for n, (w, extra, levels, probes) in RUNS.items()
-                if w == world
-                for lv in levels
-            }
-            spawned[world] = None  # a failed fork fails its tests without running again
-            run_ranks(_worker, world, (runs, str(tmp)), timeout=300, start_method="fork")
-            spawned[world] = tmp
-        if spawned[world] is None:
-            pytest.fail(f"the world-size {world} runs failed (see the first failing test)")
-        stems = [spawned[world] / f"{name}_{level}_rank{r}" for r in range(world)]
-        return [
-            (load_file(f"{s}.safetensors"), json.loads(Path(f"{s}.json").read_text()))
-            for s in stems
-        ]
-
-    return get
+    runs = RunsByWorld(_worker, make_runs, tmp_path_factory, "dp", timeout=300,
+                       start_method="fork")  # fmt: skip
+    return lambda name, level: runs(RUNS[name][0], name, level)
 
 
 def _merged(ranks, prefix: str = "final/") -> dict[str, torch.Tensor]:

@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import launch, rank_env, run_ranks, torchrun
+from multiproc import RunsByWorld, launch, rank_env, torchrun
 
 STEPS = 3
 LEVELS = ("fp32", "O2")
@@ -155,32 +155,19 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
 def results(tiny_data, tmp_path_factory):
     """``results(name, level)`` -> per rank ``(grads, losses)``; spawns each world size's runs
     once, on first use."""
-    from safetensors.torch import load_file
 
-    spawned = {}
+    def make_runs(world, tmp):
+        return {
+            (n, lv): tiny_overrides(tiny_data, tmp / n / lv, lv, **COMMON, **extra)
+            for n, (w, extra) in RUNS.items()
+            if w == world
+            for lv in LEVELS
+        }
 
-    def get(name: str, level: str):
-        world = RUNS[name][0]
-        if world not in spawned:
-            tmp = tmp_path_factory.mktemp(f"pp_world{world}")
-            runs = {
-                (n, lv): tiny_overrides(tiny_data, tmp / n / lv, lv, **COMMON, **extra)
-                for n, (w, extra) in RUNS.items()
-                if w == world
-                for lv in LEVELS
-            }
-            spawned[world] = None  # a failed spawn fails its tests without running again
-            run_ranks(_worker, world, (runs, str(tmp)), timeout=400)
-            spawned[world] = tmp
-        if spawned[world] is None:
-            pytest.fail(f"the world-size {world} runs failed (see the first failing test)")
-        stems = [spawned[world] / f"{name}_{level}_rank{r}" for r in range(world)]
-        return [
-            (load_file(f"{s}.safetensors"), json.loads(Path(f"{s}.json").read_text())["losses"])
-            for s in stems
-        ]
-
-    return get
+    runs = RunsByWorld(_worker, make_runs, tmp_path_factory, "pp", timeout=400)
+    return lambda name, level: [
+        (grads, record["losses"]) for grads, record in runs(RUNS[name][0], name, level)
+    ]
 
 
 def _merged(ranks) -> dict[str, torch.Tensor]:
