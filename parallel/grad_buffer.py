@@ -96,9 +96,11 @@ class GradBuffers:
         self.launch_log: list[tuple[int, int]] = []  # (bucket, params still not ready) per launch
         device = params[0].device if params else torch.device("cpu")
         self._count: dict[int, int] = {}
+        self._final = 0  # parameters whose gradient is final this step
         self._bucket_of: dict[int, _Bucket] = {}
         self.buckets: list[_Bucket] = []
         self._plan(bucket_size, held)
+        self._n_params = sum(len(b.params) for b in self.buckets)
         self._allocate(device)
         self._next = 0  # first bucket not launched yet (launch order is fixed)
 
@@ -183,6 +185,7 @@ class GradBuffers:
         def ready() -> None:
             self._count[key] = self._count.get(key, 0) + 1
             if self._count[key] == self.n_micro:
+                self._final += 1
                 bucket = self._bucket_of[key]
                 bucket.ready += 1
                 if self.overlap and bucket.ready == len(bucket.params):
@@ -195,6 +198,7 @@ class GradBuffers:
         """Call before the step's first forward: ``n_micro`` accumulations make a gradient."""
         self.n_micro = n_micro
         self._count.clear()
+        self._final = 0
         for bucket in self.buckets:
             bucket.ready, bucket.pending, bucket.launched = 0, None, False
         self._next = 0
@@ -208,10 +212,8 @@ class GradBuffers:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        pending_params = sum(
-            self._count.get(id(p), 0) < self.n_micro for b in self.buckets for p in b.params
-        )
-        self.launch_log.append((bucket.index, pending_params))
+        # Counted, not rescanned: this runs inside backward.
+        self.launch_log.append((bucket.index, self._n_params - self._final))
         bucket.launched = True
         self._next = bucket.index + 1
         if self.world == 1:

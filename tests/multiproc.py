@@ -7,6 +7,8 @@
 - ``torchrun``: the real entry point under torchrun; asserts exit 0.
 - ``launch``: the entry point as W plain processes with torchrun's environment, so each rank's
   own exit code and output are seen (torchrun would add its own traceback).
+- ``full_tensors`` with ``grad_value`` / ``weight_value``: a model's gradients or weights under
+  the single-process names, tensor-parallel shards gathered, FP8/FP16 storage dequantized.
 - ``RunsByWorld``: many runs batched into one set of processes per world size, started on
   first use; each rank leaves ``{name}_{level}_rank{r}.safetensors`` + ``.json`` behind.
 """
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 __all__ = [
@@ -29,6 +32,9 @@ __all__ = [
     "TORCHRUN",
     "RunsByWorld",
     "free_port",
+    "full_tensors",
+    "grad_value",
+    "weight_value",
     "launch",
     "rank_env",
     "run_ranks",
@@ -140,3 +146,49 @@ class RunsByWorld:
             (load_file(f"{s}.safetensors"), json.loads(Path(f"{s}.json").read_text()))
             for s in stems
         ]
+
+
+def grad_value(p) -> torch.Tensor:
+    """The gradient a step would use: an FP8 slot dequantized, the FP32 ``main_grad`` of the
+    gradient buffers, or plain ``.grad`` (a model trained without TrainOptimizer)."""
+    slot = getattr(p, "main_grad", None)
+    if slot is None:
+        return p.grad
+    return slot.dequantize() if hasattr(slot, "dequantize") else slot
+
+
+def weight_value(p) -> torch.Tensor:
+    """A parameter's value: FP16/FP8 storage times its per-tensor ``scale_inv``."""
+    scale_inv = getattr(p, "scale_inv", None)
+    w = p.detach().float()
+    return w if scale_inv is None else w * scale_inv
+
+
+def full_tensors(model, value_of) -> dict[str, torch.Tensor]:
+    """``value_of(param)`` for every parameter of ``model`` under the single-process model's
+    names, tensor-parallel shards gathered to full tensors (a collective over ``model.tp_group``,
+    so every rank of the group calls it). Returned as float32 CPU copies."""
+    from parallel.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        gather_full,
+    )
+
+    out, group = {}, model.tp_group
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            w = value_of(module.weight).float()
+            out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
+            if module.bias is not None:
+                b = value_of(module.bias)
+                if isinstance(module, ColumnParallelLinear):
+                    b = gather_full(b, 0, group, module.blocks)
+                out[f"{name}.bias"] = b
+        elif isinstance(module, VocabParallelEmbedding):
+            out[f"{name}.weight"] = gather_full(value_of(module.weight), 0, group)
+    for name, p in model.named_parameters():
+        key = name.replace(".linear.weight", ".weight")
+        if key not in out:
+            out[key] = value_of(p)
+    return {k: v.detach().float().cpu().clone() for k, v in out.items()}

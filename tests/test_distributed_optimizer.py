@@ -75,7 +75,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import RunsByWorld, launch, rank_env, torchrun
+from multiproc import (
+    RunsByWorld,
+    full_tensors,
+    grad_value,
+    launch,
+    rank_env,
+    torchrun,
+    weight_value,
+)
 
 from parallel.distributed_optimizer import assign_owners, ownership_balance
 
@@ -132,57 +140,6 @@ REFERENCE = {
 PLAIN = {"dp2_dist": "dp2", "dp4_dist": "dp4", "tp2_dp2_dist": "tp2_dp2", "pp2_dp2_dist": "pp2_dp2"}
 
 
-def _dequantized(linear) -> torch.Tensor:
-    """A linear weight's value: FP16/FP8 storage times its per-tensor ``weight_scale_inv``."""
-    scale_inv = getattr(linear, "weight_scale_inv", None)
-    w = linear.weight.detach().float()
-    return w if scale_inv is None else w * scale_inv
-
-
-def _full_weights(model) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the single-process model's names, dequantized, TP shards
-    gathered to full tensors (collective over the tensor-parallel group)."""
-    from fp8train.linear import Linear
-    from parallel.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        gather_full,
-    )
-
-    out, inner, group = {}, set(), model.tp_group
-    for name, module in model.named_modules():
-        if name in inner:
-            continue
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            inner.add(f"{name}.linear")
-            blocks = module.blocks if module.partition_dim == 0 else 1
-            w = _dequantized(module.linear)  # each shard has its own scale
-            out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, blocks)
-            if module.bias is not None:
-                b = module.bias.detach()
-                if isinstance(module, ColumnParallelLinear):
-                    b = gather_full(b, 0, group, module.blocks)
-                out[f"{name}.bias"] = b
-        elif isinstance(module, VocabParallelEmbedding):
-            out[f"{name}.weight"] = gather_full(module.weight.detach(), 0, group)
-        elif isinstance(module, Linear):
-            out[f"{name}.weight"] = _dequantized(module)
-    for name, p in model.named_parameters():
-        key = name.replace(".linear.weight", ".weight")
-        if key not in out:
-            out[key] = p.detach()
-    return {k: v.float().cpu().clone() for k, v in out.items()}
-
-
-def _grad_value(p) -> torch.Tensor:
-    """The gradient the optimizer will use: an FP8 slot dequantized, else the FP32 main_grad."""
-    from fp8train.low_precision import Fp8GradSlot
-
-    slot = p.main_grad
-    return slot.dequantize() if isinstance(slot, Fp8GradSlot) else slot.detach().float().clone()
-
-
 def _instrument_launches(state, events: list) -> None:
     """Record at every micro-batch's forward how many buckets were launched and how many bytes
     the meter had counted so far, and at every launch whether ``finish`` had begun."""
@@ -236,11 +193,11 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
         def hook(s, step=step):  # final gradients, before clipping
             if step == 0 or "clip" in probes:
                 for p in s.optimizer.step_params:
-                    tensors[f"grad{step}/{names[id(p)]}"] = _grad_value(p)
+                    tensors[f"grad{step}/{names[id(p)]}"] = grad_value(p).detach().float().clone()
 
         def clipped_step(step=step):  # the optimizer's step, after clipping
             for p in opt.step_params:
-                tensors[f"clipped{step}/{names[id(p)]}"] = _grad_value(p)
+                tensors[f"clipped{step}/{names[id(p)]}"] = grad_value(p).detach().float().clone()
             step_fn()
 
         if "clip" in probes:
@@ -271,9 +228,10 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
 
     for (name, level), (overrides, probes) in runs.items():
         state = build_run(load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides))
-        tensors = {f"init/{k}": v for k, v in _full_weights(state.model).items()}
+        tensors = {f"init/{k}": v for k, v in full_tensors(state.model, weight_value).items()}
         rec = _train(state, probes, tensors)
-        tensors.update({f"final/{k}": v for k, v in _full_weights(state.model).items()})
+        final = full_tensors(state.model, weight_value)
+        tensors.update({f"final/{k}": v for k, v in final.items()})
         stem = Path(out_dir, f"{name}_{level}_rank{rank}")
         save_file(tensors, f"{stem}.safetensors")
         Path(f"{stem}.json").write_text(json.dumps(rec))

@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import RunsByWorld, launch, rank_env, torchrun
+from multiproc import RunsByWorld, full_tensors, grad_value, launch, rank_env, torchrun
 
 STEPS = 3
 LEVELS = ("fp32", "O2")
@@ -79,43 +79,6 @@ SAME_BUT_PIPELINE = {
 TIED = "word_embeddings.weight"
 
 
-def _grad(p) -> torch.Tensor:
-    slot = getattr(p, "main_grad", None)
-    if slot is not None and hasattr(slot, "dequantize"):  # O1-O3: FP8 weight gradient slot
-        return slot.dequantize()
-    return p.grad if slot is None else slot
-
-
-def _full_grads(model) -> dict[str, torch.Tensor]:
-    """This stage's gradients under the single-process model's names, TP shards gathered
-    (collective over the tensor-parallel group)."""
-    from parallel.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        gather_full,
-    )
-
-    out = {}
-    group = model.tp_group
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            w = _grad(module.weight).float()
-            out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
-            if module.bias is not None:
-                b = _grad(module.bias)
-                if isinstance(module, ColumnParallelLinear):
-                    b = gather_full(b, 0, group, module.blocks)
-                out[f"{name}.bias"] = b
-        elif isinstance(module, VocabParallelEmbedding):
-            out[f"{name}.weight"] = gather_full(_grad(module.weight), 0, group)
-    for name, p in model.named_parameters():
-        key = name.replace(".linear.weight", ".weight")
-        if key not in out:
-            out[key] = _grad(p)
-    return {k: v.detach().float().cpu().clone() for k, v in out.items()}
-
-
 def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
     """One rank of every run in ``runs`` ((name, level) -> overrides): 3 training steps each;
     writes each step's final gradients (safetensors) and the step losses (JSON)."""
@@ -141,7 +104,8 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
         for step in range(STEPS):
 
             def hook(s, step=step, grads=grads):
-                grads.update({f"{step}/{k}": v for k, v in _full_grads(s.model).items()})
+                full = full_tensors(s.model, grad_value)
+                grads.update({f"{step}/{k}": v for k, v in full.items()})
 
             losses.append(train_step(state, data, n_micro, grad_hook=hook)["loss"])
         stem = Path(out_dir, f"{name}_{level}_rank{rank}")

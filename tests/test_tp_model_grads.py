@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import full_tensors, grad_value
 
 CASES = {
     "gpt2": dict(position_embedding_type="learned_absolute"),
@@ -51,41 +52,7 @@ def _config(case):
     return GPTConfig(**base, **CASES[case])
 
 
-def _full_grads(model) -> dict[str, torch.Tensor]:
-    """Every gradient as the single-rank model would have it, gathered from the shards."""
-    from parallel.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        gather_full,
-    )
-
-    out = {}
-    group = model.tp_group
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            w = _grad(module.weight)
-            out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
-            if module.bias is not None:
-                b = module.bias.grad
-                if isinstance(module, ColumnParallelLinear):
-                    b = gather_full(b, 0, group, module.blocks)
-                out[f"{name}.bias"] = b
-        elif isinstance(module, VocabParallelEmbedding):
-            out[f"{name}.weight"] = gather_full(module.weight.grad, 0, group)
-    for name, p in model.named_parameters():
-        key = name.replace(".linear.weight", ".weight")
-        if key not in out:
-            out[key] = _grad(p)
-    return out
-
-
 LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O1": 0.2, "O2": 0.2, "O3": 0.2}
-
-
-def _grad(p):
-    slot = getattr(p, "main_grad", None)
-    return slot.dequantize() if slot is not None and hasattr(slot, "dequantize") else p.grad
 
 
 def _build(cfg, level, **tp):
@@ -113,13 +80,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             ref_logits = ref(tokens)
             ref_loss = ref(tokens, labels=tokens).mean()
             ref_loss.backward()
-            ref_grads = {n: _grad(p).float() for n, p in ref.named_parameters()}
+            ref_grads = {n: grad_value(p).float() for n, p in ref.named_parameters()}
             for sp in (False, True):
                 model = _build(cfg, level, tp_group=dist.group.WORLD, sequence_parallel=sp)
                 logits = model(tokens)
                 loss = model(tokens, labels=tokens).mean()
                 loss.backward()
-                grads = {k: v.float() for k, v in _full_grads(model).items()}
+                grads = {k: v.float() for k, v in full_tensors(model, grad_value).items()}
                 worst = max(
                     ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item()
                     for n, g in ref_grads.items()
