@@ -1,45 +1,13 @@
 """Pretrain a GPT: ``torchrun --nproc_per_node N pretrain_gpt.py --config X.yaml [key=value ...]``.
 
-Thin entry point: parse, load the strict config, hand over to training.loop. A bad config or
-layout prints one line naming the culprit and exits 2 before anything is written.
+Thin entry point: the GPT family (families/gpt.py) through training/launch.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import warnings
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML config file (see docs/CONFIG.md)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
-
-    # megatron-core warns at import that TE/apex are absent; we use neither on purpose.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-    from fp8train.precision import NotImplementedLevelError
-    from parallel.topology import TopologyError, destroy_distributed
-    from training.checkpointing import CheckpointError
-    from training.config import ConfigError, load_config
-
-    rank = os.environ.get("RANK", "0")
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from training.loop import pretrain
-
-        pretrain(cfg)
-    except (ConfigError, TopologyError, NotImplementedLevelError, CheckpointError) as err:
-        # Every rank hits the same check; one line from rank 0 is enough.
-        if rank == "0":
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        destroy_distributed()
-        return 2
-    destroy_distributed()
-    return 0
-
+from training.launch import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("gpt", description=__doc__.splitlines()[0]))

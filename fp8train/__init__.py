@@ -19,7 +19,7 @@ from fp8train.linear import Linear
 from fp8train.loss_scaler import DynamicLossScaler
 from fp8train.low_precision import Fp8GradSlot, ScaledTensor
 from fp8train.optim import LowBitAdamW
-from fp8train.precision import LEVELS, NotImplementedLevelError, PrecisionRecipe, get_recipe
+from fp8train.precision import LEVELS, PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
 from fp8train.tensor import Float8Tensor
 
@@ -33,7 +33,6 @@ __all__ = [
     "Linear",
     "LowBitAdamW",
     "DynamicLossScaler",
-    "NotImplementedLevelError",
     "PrecisionRecipe",
     "ScaledTensor",
     "ScalingRecipe",

@@ -107,7 +107,7 @@ def initialize(
             f"fp8train.initialize: opt_level={opt_level!r}; choose one of {', '.join(_LEVELS)} "
             "(for bf16/fp16 mixed precision use torch.autocast)"
         )
-    recipe = get_recipe(opt_level).require_implemented()
+    recipe = get_recipe(opt_level)
     _check_optimizer(optimizer)
     mapping: dict[int, object] = {}
     if _convert_linears(model, recipe, scaling, mapping) == 0:

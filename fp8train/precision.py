@@ -10,11 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LEVELS", "PrecisionRecipe", "get_recipe", "NotImplementedLevelError"]
-
-
-class NotImplementedLevelError(NotImplementedError):
-    """A level that is in the table but not built yet."""
+__all__ = ["LEVELS", "PrecisionRecipe", "get_recipe"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +29,6 @@ class PrecisionRecipe:
     adam_m: str
     adam_v: str
     other_params: str  # embeddings, norms, biases
-    implemented: bool = True
 
     @property
     def fp8_gemm(self) -> bool:
@@ -62,21 +57,12 @@ class PrecisionRecipe:
     def has_fp32_master(self) -> bool:
         return self.master_weight == "fp32"
 
-    def require_implemented(self) -> PrecisionRecipe:
-        if not self.implemented:
-            raise NotImplementedLevelError(
-                f"precision.level={self.level}: level {self.level} is in the table but not "
-                "implemented yet (FP16/FP8 weights, FP8 weight grads and low-bit Adam come with "
-                "the O1-O3 work); use fp32, bf16, fp16 or te"
-            )
-        return self
-
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
-def _row(level, gemm, comm, weight, master, wgrad, m, v, other, implemented=True):
-    return PrecisionRecipe(level, gemm, comm, weight, master, wgrad, m, v, other, implemented)
+def _row(level, gemm, comm, weight, master, wgrad, m, v, other):
+    return PrecisionRecipe(level, gemm, comm, weight, master, wgrad, m, v, other)
 
 
 LEVELS: dict[str, PrecisionRecipe] = {

@@ -14,7 +14,8 @@ Logits are returned, and the cross entropy computed, in float32 even when parame
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -22,29 +23,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8train.linear import Linear
-from fp8train.precision import PrecisionRecipe
-from fp8train.scaling import ScalingRecipe
+from models.base import LayerDict, ParallelModel
+from models.context import BuildContext
 from models.transformer import (
-    RECOMPUTE,
     TransformerConfig,
     TransformerLayer,
-    collect_fp8_stats,
-    init_transformer_weights,
-    linear_modules,
+    check_recompute,
     make_norm,
     rotary_cos_sin,
-    tp_size,
 )
-from parallel.pipeline.layout import PipelineLayout
 from parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
 )
-from parallel.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from parallel.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
 __all__ = ["GPTConfig", "GPTModel", "LayerDict", "pad_vocab_size"]
@@ -79,8 +71,7 @@ class GPTConfig(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"model.recompute={self.recompute!r}: choose one of {RECOMPUTE}")
+        check_recompute(self.recompute)
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r}: choose one "
@@ -118,19 +109,7 @@ class GPTConfig(TransformerConfig):
         return cls(vocab_size=vocab_size, **kwargs)
 
 
-class LayerDict(nn.ModuleDict):
-    """Transformer layers keyed by their *global* index, so a pipeline stage holding layers 4
-    and 5 names them ``layers.4`` and ``layers.5`` exactly as the whole model does (a stage's
-    checkpoint is a subset of the single-rank one). Accepts ``layers[4]``; iterates modules."""
-
-    def __getitem__(self, index: int | str) -> nn.Module:
-        return super().__getitem__(str(index))
-
-    def __iter__(self):
-        return iter(self.values())
-
-
-class GPTModel(nn.Module):
+class GPTModel(ParallelModel):
     """Decoder-only LM. ``forward(tokens)`` -> float32 logits, or per-token loss with labels.
 
     Module names (used by checkpoints and by ``fp8_stats``): ``word_embeddings``,
@@ -149,57 +128,28 @@ class GPTModel(nn.Module):
     def __init__(
         self,
         config: GPTConfig,
-        recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
-        *,
-        device: torch.device | str | None = None,
-        tp_group=None,
-        sequence_parallel: bool = False,
-        pipeline: PipelineLayout | None = None,
+        ctx: BuildContext | None = None,
+        pipeline=None,
     ):
-        super().__init__()
-        self.config = config
-        self.recipe = recipe
-        self.pipeline = pipeline or PipelineLayout(config.num_layers)
-        if self.pipeline.num_layers != config.num_layers:
-            raise ValueError(
-                f"pipeline layout has {self.pipeline.num_layers} layers, the model "
-                f"{config.num_layers}"
-            )
-        self.tp_group = tp_group if tp_size(tp_group) > 1 else None
-        if sequence_parallel and self.tp_group is None:
-            raise ValueError("sequence parallelism needs a tensor-parallel group of 2+ ranks")
-        if sequence_parallel and config.seq_length % tp_size(tp_group):
+        ctx = ctx or BuildContext()
+        if ctx.sequence_parallel and config.seq_length % ctx.tp:
             raise ValueError(
                 f"model.seq_length={config.seq_length} is not divisible by parallel.tensor="
-                f"{tp_size(tp_group)} (sequence parallelism splits the sequence)"
+                f"{ctx.tp} (sequence parallelism splits the sequence)"
             )
-        self.sequence_parallel = sequence_parallel
-        if self.tp_group is None and not self.pipeline.is_split:
-            self._build(config, recipe, scaling, device)
-            if torch.device(device or "cpu").type != "meta":
-                self.init_weights()
-            return
-        # Tensor or pipeline parallel: build the single-rank model with the caller's RNG (the
-        # very draws a single-process run makes), build this rank's structure under a forked
-        # RNG, and keep its slices, so every layout starts from exactly the single-process
-        # weights and the RNG stream after construction is the same as there. Costs one full
-        # model's memory, transiently.
-        full = GPTModel(config, recipe, scaling, device=device)  # single rank: no TP, no SP
-        with torch.random.fork_rng(devices=[]):
-            self._build(config, recipe, scaling, device)
-        self._load_full(full)
+        super().__init__(config, ctx, pipeline)
 
-    def _build(self, config, recipe, scaling, device) -> None:
-        h, group, stage = config.hidden_size, self.tp_group, self.pipeline
-        tied = not config.untie_embeddings_and_output_weights
+    def build(self, ctx: BuildContext) -> None:
+        config, device = self.config, ctx.device
+        h, group, stage = config.hidden_size, ctx.tp_group, self.pipeline
+        skip = not ctx.materialize
         self.word_embeddings = None
-        if stage.has_embedding() or (stage.has_head() and tied):
+        if stage.has_embedding() or (stage.has_head() and self._tied):
             if group is None:
                 self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
             else:
                 self.word_embeddings = VocabParallelEmbedding(
-                    config.vocab_size, h, group=group, device=device
+                    config.vocab_size, h, group=group, device=device, skip_init=skip
                 )
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, h, device=device)
@@ -207,93 +157,64 @@ class GPTModel(nn.Module):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        sp = self.sequence_parallel
         self.layers = LayerDict(
-            (
-                str(i),
-                TransformerLayer(
-                    config,
-                    recipe,
-                    scaling,
-                    device=device,
-                    tp_group=group,
-                    sequence_parallel=sp,
-                    recompute=config.recompute,
-                ),
-            )
+            (str(i), TransformerLayer(config, ctx, recompute=config.recompute))
             for i in stage.local_layers()
         )
         self.final_norm = None
         self.output_layer = None
         if not stage.has_head():
             return
-        self.final_norm = make_norm(config, device=device, sp_group=group if sp else None)
+        sp_group = group if ctx.sequence_parallel else None
+        self.final_norm = make_norm(config, device=device, sp_group=sp_group)
         # recipe=None: the head stays in higher precision (module docstring).
-        if config.untie_embeddings_and_output_weights:
+        if not self._tied:
             if group is None:
                 self.output_layer = Linear(h, config.vocab_size, False, recipe=None, device=device)
             else:
                 self.output_layer = ColumnParallelLinear(
-                    h,
-                    config.vocab_size,
-                    group=group,
-                    bias=False,
-                    sequence_parallel=sp,
-                    device=device,
-                )
+                    h, config.vocab_size, group=group, bias=False,
+                    sequence_parallel=ctx.sequence_parallel, device=device, skip_init=skip,
+                )  # fmt: skip
 
-    @torch.no_grad()
-    def _load_full(self, full: GPTModel) -> None:
-        """Copy this rank's slice of every parameter of the single-rank model ``full``."""
-        handled: set[str] = set()
-        for name, module in self.named_modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                ref = full.get_submodule(name)
-                module.load_full_(ref.weight, ref.bias)
-            elif isinstance(module, VocabParallelEmbedding):
-                module.load_full_(full.get_submodule(name).weight)
-            else:
-                continue
-            handled.update(f"{name}.{p}" for p, _ in module.named_parameters())
-        reference = dict(full.named_parameters())
-        for name, param in self.named_parameters():
-            if name not in handled:
-                param.copy_(reference[name])
+    @property
+    def _tied(self) -> bool:
+        return not self.config.untie_embeddings_and_output_weights
+
+    def init_parameter(self, module_name, module, param_name, tensor) -> None:
+        """Megatron's init: weights N(0, std), the residual-branch output projections
+        (attention ``proj`` and ``fc2``) N(0, std / sqrt(2 * num_layers)) because each layer
+        adds two residual branches whose variance otherwise grows with depth; biases zero;
+        norms one; embeddings N(0, std)."""
+        std = self.config.init_method_std
+        if isinstance(module, Linear) and param_name == "weight":
+            if module_name.rsplit(".", 1)[-1] in ("proj", "fc2"):
+                std = std / math.sqrt(2.0 * self.config.num_layers)
+            nn.init.normal_(tensor, 0.0, std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(tensor, 0.0, std)
+        elif param_name == "bias":
+            nn.init.zeros_(tensor)
+        else:  # LayerNorm / RMSNorm scale
+            nn.init.ones_(tensor)
+
+    def pipeline_copies(self) -> dict[str, bool]:
+        """A tied head keeps a copy of ``word_embeddings`` on the last stage; the first
+        stage's is the counted one."""
+        if not self._tied or self.word_embeddings is None or not self.pipeline.is_split:
+            return {}
+        return {"word_embeddings.weight": self.pipeline.has_embedding()}
 
     def shared_embedding(self) -> nn.Parameter | None:
         """The tied word-embedding weight when a pipeline split puts a copy of it on both the
         first and the last stage (their gradients must be summed), else None."""
-        if not self.pipeline.is_split or self.config.untie_embeddings_and_output_weights:
-            return None
-        if self.word_embeddings is None:
-            return None
-        return self.word_embeddings.weight
+        shared = self.shared_parameters()
+        return shared[0] if shared else None
 
-    def pipeline_duplicates(self) -> set[int]:
-        """ids of parameters that are copies of another stage's (the last stage's tied
-        embedding): norms count them once, on the first stage."""
-        shared = self.shared_embedding()
-        if shared is None or self.pipeline.has_embedding():
-            return set()
-        return {id(shared)}
-
-    def tensor_parallel_sharded(self) -> set[int]:
-        """ids of parameters split across the tensor-parallel group (the rest are replicated):
-        norms of gradients sum these over the group and count replicated ones once."""
-        if self.tp_group is None:
-            return set()
-        out: set[int] = set()
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                out.update(id(p) for p in module.parameters())
-            elif isinstance(module, RowParallelLinear):
-                out.add(id(module.weight))  # the row bias is added after the reduction: full
-        return out
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter; call after ``to_empty`` when built on meta."""
-        init_transformer_weights(self, self.config.init_method_std, self.config.num_layers)
+    def stage_activation_shape(self, micro_batch_size: int) -> tuple[int, ...]:
+        """``[micro, seq, hidden]``, the sequence split over TP under sequence parallelism."""
+        seq = self.config.seq_length // (self.ctx.tp if self.sequence_parallel else 1)
+        return (micro_batch_size, seq, self.config.hidden_size)
 
     def forward(
         self,
@@ -315,26 +236,21 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, position_ids, self.layers)
         return self._head(x, labels)
 
-    def forward_chunk(
-        self,
-        chunk: int,
-        hidden: torch.Tensor | None,
-        tokens: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Run model chunk ``chunk`` of this pipeline stage. The model's first chunk embeds
-        ``tokens`` (``hidden`` is None); the others continue from the received ``hidden``
-        ``[b, s, h]`` (``[b, s/tp, h]`` under sequence parallelism). The last chunk returns what
+    def forward_chunk(self, chunk: int, hidden: torch.Tensor | None, inputs: dict):
+        """Run model chunk ``chunk`` of this pipeline stage. ``inputs``: ``tokens`` ``[b, s]``,
+        optional ``position_ids`` and ``labels``. The model's first chunk embeds the tokens
+        (``hidden`` is None); the others continue from the received ``hidden`` ``[b, s, h]``
+        (``[b, s/tp, h]`` under sequence parallelism). The last chunk returns what
         ``forward`` returns; the others the hidden states to send on."""
         stage = self.pipeline
-        position_ids = self._positions(tokens, position_ids)
+        tokens = inputs["tokens"]
+        position_ids = self._positions(tokens, inputs.get("position_ids"))
         if stage.has_embedding(chunk):
             hidden = self._embed(tokens, position_ids)
         layers = [self.layers[i] for i in stage.chunk_layers(chunk)]
         hidden = self._run_layers(hidden, position_ids, layers)
         if stage.has_head(chunk):
-            return self._head(hidden, labels)
+            return self._head(hidden, inputs.get("labels"))
         return hidden
 
     def _positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -353,7 +269,7 @@ class GPTModel(nn.Module):
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)  # [b, s, h]
         x = self.embedding_dropout(x)
-        if getattr(self, "sequence_parallel", False):
+        if self.sequence_parallel:
             # From here to the head every rank holds its slice of the sequence: norms, dropout
             # and residuals work on [b, s/tp, h]; the GEMM layers gather and scatter.
             x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
@@ -409,14 +325,3 @@ class GPTModel(nn.Module):
             embeds = (self.word_embeddings, self.position_embeddings, self.output_layer)
             skip = {id(p) for m in embeds if m is not None for p in m.parameters()}
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
-
-    def linear_modules(self) -> Iterator[tuple[str, Linear]]:
-        """(name, Linear) of every ``fp8train.linear.Linear``, e.g. ``layers.0.attention.qkv``.
-
-        Includes an untied ``output_layer`` (recipe None), so filter on the recipe if needed.
-        """
-        return linear_modules(self)
-
-    def fp8_stats(self) -> dict[str, object]:
-        """Each Linear's ``fp8_stats()`` keyed by module name; empty at non-FP8 levels."""
-        return collect_fp8_stats(self)

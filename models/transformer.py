@@ -34,8 +34,6 @@ GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fp8train.linear import Linear, recompute_scale_contexts
-from fp8train.precision import PrecisionRecipe
-from fp8train.scaling import ScalingRecipe
+from models.context import BuildContext, tp_size
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor_parallel.mappings import copy_to_region
 from parallel.tensor_parallel.random import get_tracker
@@ -62,9 +59,8 @@ __all__ = [
     "MLP",
     "TransformerLayer",
     "RECOMPUTE",
-    "linear_modules",
-    "collect_fp8_stats",
-    "init_transformer_weights",
+    "check_recompute",
+    "default_ffn_size",
     "tp_size",
 ]
 
@@ -73,9 +69,18 @@ ACTIVATIONS = ("gelu", "swiglu")
 RECOMPUTE = ("none", "full", "selective")
 
 
-def tp_size(group) -> int:
-    """Ranks in a tensor-parallel group (None: no tensor parallelism)."""
-    return 1 if group is None else group.size()
+def check_recompute(recompute: str) -> None:
+    """The one check of ``model.recompute`` (the config schema's Literal lists the same)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"model.recompute={recompute!r}: choose one of {RECOMPUTE}")
+
+
+def default_ffn_size(hidden_size: int, activation: str) -> int:
+    """The MLP width when ``model.ffn_hidden_size`` is null: 4h, or for SwiGLU 8h/3 rounded up
+    to a multiple of 64 (3 matrices of 8h/3 hold as many parameters as 2 of 4h)."""
+    if activation == "swiglu":
+        return -(-int(8 * hidden_size / 3) // 64) * 64
+    return 4 * hidden_size
 
 
 def _sharded_rng(active: bool):
@@ -128,22 +133,27 @@ def _checkpoint(fn, *args):
     )
 
 
-def _column(in_f, out_f, bias, lin: dict, tp_group, blocks: int = 1, sp: bool = False):
+def _column(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
     """The output-splitting GEMM: an fp8train Linear, or its column-parallel shard under TP
-    (``sp``: its input arrives as sequence shards and is all-gathered first)."""
-    if tp_size(tp_group) == 1:
-        return Linear(in_f, out_f, bias, **lin)
+    (under sequence parallelism its input arrives as sequence shards and is all-gathered)."""
+    if ctx.tp_group is None:
+        return Linear(in_f, out_f, bias, **ctx.linear_kwargs())
     return ColumnParallelLinear(
-        in_f, out_f, group=tp_group, bias=bias, blocks=blocks, sequence_parallel=sp, **lin
-    )
+        in_f, out_f, group=ctx.tp_group, bias=bias, blocks=blocks,
+        sequence_parallel=ctx.sequence_parallel, skip_init=not ctx.materialize,
+        **ctx.linear_kwargs(),
+    )  # fmt: skip
 
 
-def _row(in_f, out_f, bias, lin: dict, tp_group, sp: bool = False):
+def _row(in_f, out_f, bias, ctx: BuildContext):
     """The input-splitting GEMM: its partial outputs are all-reduced over the TP group, or
-    reduce-scattered into sequence shards (``sp``)."""
-    if tp_size(tp_group) == 1:
-        return Linear(in_f, out_f, bias, **lin)
-    return RowParallelLinear(in_f, out_f, group=tp_group, bias=bias, sequence_parallel=sp, **lin)
+    reduce-scattered into sequence shards under sequence parallelism."""
+    if ctx.tp_group is None:
+        return Linear(in_f, out_f, bias, **ctx.linear_kwargs())
+    return RowParallelLinear(
+        in_f, out_f, group=ctx.tp_group, bias=bias, sequence_parallel=ctx.sequence_parallel,
+        skip_init=not ctx.materialize, **ctx.linear_kwargs(),
+    )  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -163,8 +173,8 @@ class TransformerConfig:
     norm_epsilon: float = 1e-5
     activation: str = "gelu"
     add_bias_linear: bool = True
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.0  # the config schema's defaults: the YAML and the class agree
+    attention_dropout: float = 0.0
     init_method_std: float = 0.02
 
     def __post_init__(self):
@@ -192,11 +202,7 @@ class TransformerConfig:
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":
-                # Same parameter count as a 4h GELU MLP (3 matrices of 8h/3 vs 2 of 4h).
-                self.ffn_hidden_size = -(-int(8 * self.hidden_size / 3) // 64) * 64
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_size(self.hidden_size, self.activation)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")
@@ -292,20 +298,17 @@ class SelfAttention(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
+        ctx: BuildContext | None = None,
         *,
         causal: bool = True,
-        device=None,
-        tp_group=None,
-        sequence_parallel: bool = False,
         recompute_core: bool = False,
     ):
         super().__init__()
+        ctx = ctx or BuildContext()
         self.recompute_core = recompute_core  # selective recompute of the SDPA call
         # Under tensor parallelism each rank owns whole query groups (the QKV layout makes a
         # contiguous column split do exactly that): local head and group counts.
-        tp = tp_size(tp_group)
+        tp = ctx.tp
         self.num_heads = config.num_attention_heads // tp
         self.num_groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -314,11 +317,9 @@ class SelfAttention(nn.Module):
         self.tp_sharded = tp > 1
         qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim * tp
         bias = config.add_bias_linear
-        lin = dict(recipe=recipe, scaling=scaling, device=device)
-        sp = sequence_parallel
-        self.qkv = _column(config.hidden_size, qkv_out, bias, lin, tp_group, sp=sp)
+        self.qkv = _column(config.hidden_size, qkv_out, bias, ctx)
         proj_in = self.num_heads * self.head_dim * tp
-        self.proj = _row(proj_in, config.hidden_size, bias, lin, tp_group, sp=sp)
+        self.proj = _row(proj_in, config.hidden_size, bias, ctx)
 
     def forward(
         self,
@@ -373,26 +374,16 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP (h -> f -> h) or SwiGLU with fused ``[gate | up]`` fc1 (h -> 2f -> h)."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
-        *,
-        device=None,
-        tp_group=None,
-        sequence_parallel: bool = False,
-    ):
+    def __init__(self, config: TransformerConfig, ctx: BuildContext | None = None):
         super().__init__()
+        ctx = ctx or BuildContext()
         self.swiglu = config.activation == "swiglu"
         f = config.ffn_hidden_size
         bias = config.add_bias_linear
-        lin = dict(recipe=recipe, scaling=scaling, device=device)
         # SwiGLU: each rank takes a slice of the gate half and the matching slice of the up half.
         fc1_out, blocks = (2 * f, 2) if self.swiglu else (f, 1)
-        sp = sequence_parallel
-        self.fc1 = _column(config.hidden_size, fc1_out, bias, lin, tp_group, blocks, sp=sp)
-        self.fc2 = _row(f, config.hidden_size, bias, lin, tp_group, sp=sp)
+        self.fc1 = _column(config.hidden_size, fc1_out, bias, ctx, blocks)
+        self.fc2 = _row(f, config.hidden_size, bias, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [b, s, f] or [b, s, 2f]
@@ -413,29 +404,24 @@ class TransformerLayer(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
+        ctx: BuildContext | None = None,
         *,
         causal: bool = True,
-        device=None,
-        tp_group=None,
-        sequence_parallel: bool = False,
         recompute: str = "none",
     ):
         super().__init__()
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"model.recompute={recompute!r}: choose one of {RECOMPUTE}")
+        ctx = ctx or BuildContext()
+        check_recompute(recompute)
         self.recompute = recompute
-        tp = dict(device=device, tp_group=tp_group, sequence_parallel=sequence_parallel)
-        sp_group = tp_group if sequence_parallel else None
-        self.input_norm = make_norm(config, device=device, sp_group=sp_group)
+        sp_group = ctx.tp_group if ctx.sequence_parallel else None
+        self.input_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
         self.attention = SelfAttention(
-            config, recipe, scaling, causal=causal, recompute_core=recompute == "selective", **tp
+            config, ctx, causal=causal, recompute_core=recompute == "selective"
         )
-        self.post_attention_norm = make_norm(config, device=device, sp_group=sp_group)
-        self.mlp = MLP(config, recipe, scaling, **tp)
+        self.post_attention_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
+        self.mlp = MLP(config, ctx)
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = ctx.sequence_parallel
 
     def forward(
         self,
@@ -461,51 +447,3 @@ class TransformerLayer(nn.Module):
         with _sharded_rng(sharded):
             x = x + self.dropout(mlp)  # [b, s, h]
         return x
-
-
-def linear_modules(module: nn.Module) -> Iterator[tuple[str, Linear]]:
-    """(name, module) of every ``fp8train.linear.Linear`` under ``module``."""
-    for name, m in module.named_modules():
-        if isinstance(m, Linear):
-            yield name, m
-
-
-def collect_fp8_stats(module: nn.Module) -> dict[str, object]:
-    """``{"layers.0.attention.qkv": linear.fp8_stats(), ...}`` for Linears that report stats.
-
-    Linears without FP8 state (recipe None / not fp8, or a Linear with no ``fp8_stats``) are
-    skipped, so the dict is empty for non-FP8 levels.
-    """
-    stats: dict[str, object] = {}
-    for name, m in linear_modules(module):
-        fn = getattr(m, "fp8_stats", None)
-        if fn is None:
-            continue
-        s = fn()
-        if s:
-            stats[name] = s
-    return stats
-
-
-@torch.no_grad()
-def init_transformer_weights(module: nn.Module, std: float, num_layers: int) -> None:
-    """Megatron init: weights N(0, std), output projections (attention ``proj`` and ``fc2``)
-    N(0, std / sqrt(2 * num_layers)) because each layer adds two residual branches whose
-    variance otherwise grows with depth; biases zero; norms one; FP8 scaling state reset.
-    """
-    scaled_std = std / math.sqrt(2.0 * num_layers)
-    for name, m in module.named_modules():
-        if isinstance(m, Linear):
-            leaf = name.rsplit(".", 1)[-1]
-            nn.init.normal_(m.weight, 0.0, scaled_std if leaf in ("proj", "fc2") else std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-            reset_fp8 = getattr(m, "reset_fp8_state", None)
-            if reset_fp8 is not None:  # fresh scales, e.g. after to_empty on a meta build
-                reset_fp8()
-        elif isinstance(m, (nn.LayerNorm, RMSNorm)):
-            nn.init.ones_(m.weight)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, std)

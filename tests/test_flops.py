@@ -1,6 +1,7 @@
 """Megatron's FLOPs formula, checked against a hand count of the GEMMs of one layer."""
 
-from training.flops import gpt_flops_per_step, peak_tflops_for
+from families.gpt import gpt_flops_per_step
+from training.flops import peak_tflops_for
 
 
 def test_formula_matches_hand_counted_gemms():

@@ -13,6 +13,7 @@ import torch
 from fp8train.convert import lower_linear_weights
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
+from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
 from training.optimizer import build_optimizer, clip_grad_norm
 
@@ -32,7 +33,7 @@ def _model(level):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = GPTModel(config, get_recipe(level))
+    model = GPTModel(config, BuildContext(get_recipe(level)))
     lower_linear_weights(model)
     return model, build_optimizer(model, get_recipe(level), OPT)
 

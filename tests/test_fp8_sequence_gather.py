@@ -23,6 +23,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     )  # fmt: skip
     from fp8train.convert import lower_linear_weights
     from fp8train.precision import get_recipe
+    from models.context import BuildContext
     from models.gpt import GPTConfig, GPTModel
     from parallel.comm_meter import CommMeter
     from parallel.tensor_parallel.layers import ColumnParallelLinear
@@ -38,9 +39,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         for fp8_gather in (False, True):
             ColumnParallelLinear.fp8_gather = fp8_gather
             torch.manual_seed(0)
-            model = GPTModel(
-                cfg, get_recipe(level), tp_group=dist.group.WORLD, sequence_parallel=True
-            )
+            ctx = BuildContext(get_recipe(level), tp_group=dist.group.WORLD, sequence_parallel=True)
+            model = GPTModel(cfg, ctx)
             lower_linear_weights(model)
             meter = CommMeter()
             for m in model.modules():

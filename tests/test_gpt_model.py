@@ -12,6 +12,7 @@ from torch import nn
 
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
+from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel, pad_vocab_size
 from models.transformer import MLP, RMSNorm, SelfAttention
 
@@ -181,7 +182,7 @@ def test_switches_change_module_types():
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_gemm_is_an_fp8train_linear(name):
-    model = GPTModel(CONFIGS[name](), get_recipe("te"))
+    model = GPTModel(CONFIGS[name](), BuildContext(get_recipe("te")))
     linears = dict(model.linear_modules())
     expected = {
         f"layers.{i}.{leaf}"
@@ -197,7 +198,7 @@ def test_every_gemm_is_an_fp8train_linear(name):
 
 
 def _te_copy(model: GPTModel) -> GPTModel:
-    te = GPTModel(model.config, get_recipe("te"))
+    te = GPTModel(model.config, BuildContext(get_recipe("te")))
     missing, unexpected = te.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected
     params = {n for n, _ in te.named_parameters()}
@@ -229,7 +230,7 @@ def test_te_loss_close_to_fp32_and_grads_finite(name):
 
 def test_fp8_buffers_in_state_dict():
     fp32 = GPTModel(tiny())
-    te = GPTModel(tiny(), get_recipe("te"))
+    te = GPTModel(tiny(), BuildContext(get_recipe("te")))
     extra = set(te.state_dict()) - set(fp32.state_dict())
     for i in range(2):
         for leaf in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"):
@@ -240,7 +241,7 @@ def test_fp8_buffers_in_state_dict():
 
 def test_fp8_stats_names():
     torch.manual_seed(0)
-    model = GPTModel(tiny(), get_recipe("te"))
+    model = GPTModel(tiny(), BuildContext(get_recipe("te")))
     model(tokens(), labels=tokens(seed=1)).mean().backward()
     stats = model.fp8_stats()
     if hasattr(Linear, "fp8_stats"):
@@ -261,7 +262,7 @@ def test_bf16_params_forward(name):
 
 def test_meta_build_then_init():
     torch.manual_seed(0)
-    model = GPTModel(llama(), device="meta")
+    model = GPTModel(llama(), BuildContext(device="meta"))
     assert model.word_embeddings.weight.is_meta
     model.to_empty(device="cpu")
     model.init_weights()
@@ -282,7 +283,7 @@ def test_init_scaled_output_projections():
 @pytest.mark.parametrize("level", ["fp32", "te"])
 def test_overfits_fixed_batch(level):
     torch.manual_seed(0)
-    model = GPTModel(llama(num_layers=1), get_recipe(level))
+    model = GPTModel(llama(num_layers=1), BuildContext(get_recipe(level)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     t = tokens(b=4)
     inputs, labels = t[:, :-1], t[:, 1:]

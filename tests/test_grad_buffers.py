@@ -20,6 +20,7 @@ import torch
 from fp8train.convert import apply_level_storage
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.precision import get_recipe
+from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
 from parallel.grad_buffer import GradBuffers, default_bucket_size
 
@@ -38,7 +39,7 @@ def _model(level: str) -> GPTModel:
         attention_dropout=0.0,
     )
     recipe = get_recipe(level)
-    return apply_level_storage(GPTModel(config, recipe), recipe)
+    return apply_level_storage(GPTModel(config, BuildContext(recipe)), recipe)
 
 
 def _params(model) -> list[torch.nn.Parameter]:

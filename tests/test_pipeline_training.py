@@ -207,11 +207,14 @@ def test_pp2_entry_point_resume_checkpoint_and_stage_memory(tiny_data, tmp_path)
     records = _records(straight)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
     # Stage 0: embeddings and layer 0; stage 1: layer 1, final norm and the tied head's copy.
+    from models.context import BuildContext
     from models.gpt import GPTConfig, GPTModel, pad_vocab_size
 
     hidden, vocab = 64, pad_vocab_size(tiny_data.vocab_size)  # tiny_overrides' model
     shape = {"num_layers": 2, "hidden_size": hidden, "num_attention_heads": 2, "seq_length": 64}
-    whole = GPTModel(GPTConfig(**shape, vocab_size=vocab), device="meta").num_parameters()
+    whole = GPTModel(
+        GPTConfig(**shape, vocab_size=vocab), BuildContext(device="meta")
+    ).num_parameters()
     for record in records:
         stages = record["mem-stage0/num-parameters"], record["mem-stage1/num-parameters"]
         assert min(stages) > 0 and sum(stages) == whole + vocab * hidden, stages

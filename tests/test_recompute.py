@@ -8,6 +8,7 @@ import torch
 
 from fp8train.convert import lower_linear_weights
 from fp8train.precision import get_recipe
+from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
 from models.transformer import TransformerConfig, TransformerLayer
 from parallel.tensor_parallel.random import get_tracker, model_parallel_seed
@@ -27,7 +28,7 @@ def build(level: str, recompute: str, dropout: float = 0.0) -> GPTModel:
         attention_dropout=dropout,
         recompute=recompute,
     )
-    model = GPTModel(cfg, get_recipe(level))
+    model = GPTModel(cfg, BuildContext(get_recipe(level)))
     lower_linear_weights(model)  # O1-O3: scaled FP16/FP8 weights with FP8 grad slots
     return model
 
@@ -95,7 +96,7 @@ def test_recompute_replays_tensor_parallel_dropout_stream(tracker, recompute):
     results = []
     for mode in ("none", recompute):
         torch.manual_seed(0)
-        layer = TransformerLayer(cfg, get_recipe("te"), recompute=mode)
+        layer = TransformerLayer(cfg, BuildContext(get_recipe("te")), recompute=mode)
         layer.attention.tp_sharded = True  # as on a TP rank, without a process group
         tracker.set_states(model_parallel_seed(7, tp_rank=0).get_states())
         x = torch.randn(2, S, 32, requires_grad=True)

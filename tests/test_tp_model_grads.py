@@ -58,10 +58,11 @@ LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O1": 0.2, "O2": 0.2, "O3": 0.2
 def _build(cfg, level, **tp):
     from fp8train.convert import apply_level_storage
     from fp8train.precision import get_recipe
+    from models.context import BuildContext
     from models.gpt import GPTModel
 
     torch.manual_seed(0)
-    model = GPTModel(cfg, get_recipe(level), **tp)
+    model = GPTModel(cfg, BuildContext(get_recipe(level), **tp))
     return apply_level_storage(model, get_recipe(level))
 
 

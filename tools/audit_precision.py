@@ -25,7 +25,8 @@ from fp8train.audit import audit_precision, format_audit  # noqa: E402
 from fp8train.convert import apply_level_storage  # noqa: E402
 from fp8train.precision import LEVELS, get_recipe  # noqa: E402
 from fp8train.scaling import ScalingRecipe  # noqa: E402
-from models.gpt import GPTConfig, GPTModel  # noqa: E402
+from models.context import BuildContext  # noqa: E402
+from models.gpt import GPTConfig, GPTModel, pad_vocab_size  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.memory import model_state_bytes  # noqa: E402
 from training.optimizer import build_optimizer  # noqa: E402
@@ -36,10 +37,12 @@ THEORY = {"fp32": 16, "bf16": 18, "fp16": 16, "te": 16, "O1": 11, "O2": 6, "O3":
 
 def audit_level(cfg, level: str, steps: int = 1):
     """(audit rows, bytes per param by category) after ``steps`` real steps at ``level``."""
-    recipe = get_recipe(level).require_implemented()
+    recipe = get_recipe(level)
     torch.manual_seed(cfg.training.seed)
-    vocab = cfg.model.padded_vocab_size(cfg.data.vocab_size)
-    model = GPTModel(GPTConfig.from_model_section(cfg.model, vocab), recipe, ScalingRecipe())
+    vocab = pad_vocab_size(cfg.data.vocab_size, cfg.model.make_vocab_size_divisible_by)
+    model = GPTModel(
+        GPTConfig.from_model_section(cfg.model, vocab), BuildContext(recipe, ScalingRecipe())
+    )
     apply_level_storage(model, recipe)
     opt = build_optimizer(model, recipe, cfg.optimizer)
     seq = min(cfg.model.seq_length, 64)

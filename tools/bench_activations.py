@@ -47,6 +47,7 @@ def _worker(rank, world, init_file, out_file, args):
             timeout=timedelta(seconds=120),
         )  # fmt: skip
     from fp8train.precision import get_recipe
+    from models.context import BuildContext
     from models.gpt import GPTConfig, GPTModel
     from parallel.comm_meter import CommMeter
 
@@ -60,7 +61,9 @@ def _worker(rank, world, init_file, out_file, args):
                 attention_dropout=0.0, recompute=recompute,
             )  # fmt: skip
             torch.manual_seed(0)
-            model = GPTModel(cfg, get_recipe(args.level), tp_group=group, sequence_parallel=sp)
+            model = GPTModel(
+                cfg, BuildContext(get_recipe(args.level), tp_group=group, sequence_parallel=sp)
+            )
             layer = model.layers[0]
             meter = CommMeter()
             for m in layer.modules():

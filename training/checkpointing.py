@@ -1,22 +1,26 @@
 """Checkpoints: safetensors tensors + JSON metadata, written to a temporary directory and renamed.
 
-Layout of ``checkpoint.dir``::
+The tensors are in the canonical format of ``training/checkpoint_format.py`` (single-process
+names whatever the layout, per-tensor layouts in each file's header, optimizer state keyed by
+parameter name). Layout of ``checkpoint.dir``::
 
     latest                    one line: the name of the newest complete checkpoint
     iter_0000100/
-        model.safetensors     model state (FP8 scaling buffers included); data-parallel rank 0
-        optimizer.safetensors optimizer states and masters; data-parallel rank 0
-                              (one pair per model slice under tensor / pipeline
-                              parallelism: model_tp{t}_pp{p}.safetensors, ...;
-                              with the distributed optimizer every data-parallel rank
-                              writes its own optimizer{...}_dp{d}.safetensors)
-        fp8_scaling{...}_dp{d}.safetensors  each data-parallel replica's FP8 scaling state
-                              (amax histories differ between replicas: different data)
-        rng_rank{r}.safetensors  each rank's RNG states (dropout streams differ per rank later)
-        metadata.json         config, iteration, consumed samples, scheduler, loss scaler, ...
+        model{slice}.safetensors      model state (FP8 scaling buffers included), one per
+                                      model slice, written by data-parallel rank 0
+        optimizer{slice}.safetensors  optimizer states and masters, likewise; with the
+                                      distributed optimizer every data-parallel rank writes
+                                      optimizer{slice}_dp{d}.safetensors (what it owns)
+        fp8_scaling{slice}_dp{d}.safetensors  each data-parallel replica's FP8 scaling state
+                                      (amax histories differ between replicas: different data)
+        rng_rank{r}.safetensors       each rank's RNG states (dropout streams differ per rank)
+        metadata.json                 config, iteration, consumed samples, scheduler, loss
+                                      scaler, model structure, format version
 
-Nothing is ever unpickled: tensors come back through safetensors, the rest through JSON. A crash
-mid-save leaves only a ``.tmp_*`` directory, which the next save replaces and loading ignores.
+``{slice}`` names a rank's model slice (``slice_name``): empty for one process, ``_tp1``,
+``_pp0``, ``_tp1_pp0``. Nothing is ever unpickled: tensors come back through safetensors, the
+rest through JSON. A crash mid-save leaves only a ``.tmp_*`` directory, which the next save
+replaces and loading ignores.
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ from safetensors.torch import load_file, save_file
 
 from fp8train import device as devices
 from parallel.tensor_parallel.random import get_tracker
+from training.checkpoint_format import FORMAT_VERSION, write_tensors
 
 __all__ = [
     "CheckpointError",
+    "slice_name",
+    "model_file",
+    "optimizer_file",
+    "fp8_replica_file",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
     "read_metadata",
+    "check_format",
 ]
-
-FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
@@ -53,10 +61,28 @@ class CheckpointError(RuntimeError):
 class LoadedCheckpoint:
     path: Path
     metadata: dict
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor]
+    files: dict[str, dict[str, torch.Tensor]]  # the requested files' tensors, by file name
     rng: dict[str, torch.Tensor]
-    extra: dict[str, dict[str, torch.Tensor]]  # this rank's own extra files, by file name
+
+
+def slice_name(topo) -> str:
+    """A rank's model slice in file names: ``""``, ``_tp1``, ``_pp0``, ``_tp1_pp0``."""
+    name = f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
+    return name + (f"_pp{topo.pp_rank}" if topo.pipeline > 1 else "")
+
+
+def model_file(topo) -> str:
+    return f"model{slice_name(topo)}.safetensors"
+
+
+def optimizer_file(topo, distributed: bool) -> str:
+    """The replicated optimizer file of a slice, or a data-parallel rank's own shard."""
+    suffix = f"_dp{topo.dp_rank}" if distributed else ""
+    return f"optimizer{slice_name(topo)}{suffix}.safetensors"
+
+
+def fp8_replica_file(topo) -> str:
+    return f"fp8_scaling{slice_name(topo)}_dp{topo.dp_rank}.safetensors"
 
 
 def _barrier():
@@ -92,25 +118,16 @@ def save_checkpoint(
     directory: str | os.PathLike,
     iteration: int,
     *,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, torch.Tensor],
+    files: dict[str, tuple[dict[str, torch.Tensor], dict]],
     metadata: dict,
     device: torch.device,
     rank: int,
-    writes_replicated: bool,
     keep_last: int = 2,
-    shard: str = "",
-    optimizer_file: str | None = None,
-    extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
-    ``shard`` names this rank's model slice in the file names (``model_tp1_pp0.safetensors``
-    under tensor and pipeline parallelism); data-parallel replicas write nothing
-    (``writes_replicated``). ``optimizer_file``: this rank's own optimizer file, written by
-    every rank (the distributed optimizer's shards) instead of the replicated one.
-    ``extra_files``: file name -> tensors that this rank writes whatever its replica (state
-    that differs between data-parallel replicas, e.g. FP8 scaling histories).
+    ``files``: file name -> (tensors, their layouts) that THIS rank writes (the caller picks:
+    one writer per file, see the module doc); each rank also writes its RNG states.
     """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
@@ -121,14 +138,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    if writes_replicated:
-        save_file(_own_tensors(model_state), str(tmp / f"model{shard}.safetensors"))
-    if optimizer_file is not None:
-        save_file(_own_tensors(optimizer_state), str(tmp / optimizer_file))
-    elif writes_replicated:
-        save_file(_own_tensors(optimizer_state), str(tmp / f"optimizer{shard}.safetensors"))
-    for file_name, tensors in (extra_files or {}).items():
-        save_file(_own_tensors(tensors), str(tmp / file_name))
+    for file_name, (tensors, layouts) in files.items():
+        write_tensors(tmp / file_name, tensors, layouts)
     save_file(_own_tensors(rng_state_tensors(device)), str(tmp / f"rng_rank{rank}.safetensors"))
     if rank == 0:
         meta = dict(metadata, iteration=iteration, format_version=FORMAT_VERSION)
@@ -177,14 +188,19 @@ def read_metadata(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
 
 
-def load_checkpoint(
-    path: str | os.PathLike,
-    rank: int,
-    shard: str = "",
-    optimizer_file: str | None = None,
-    extra_files: tuple[str, ...] = (),
-) -> LoadedCheckpoint:
-    """Read one checkpoint (any rank). Missing or corrupt files raise naming the file."""
+def check_format(path: str | os.PathLike, metadata: dict) -> None:
+    """A checkpoint of another format version is refused in one line naming both versions."""
+    found = metadata.get("format_version")
+    if found != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{Path(path) / 'metadata.json'}: checkpoint format version {found}; this version "
+            f"of fp8train reads format {FORMAT_VERSION} (canonical tensor names) only"
+        )
+
+
+def load_checkpoint(path: str | os.PathLike, rank: int, files: tuple[str, ...]) -> LoadedCheckpoint:
+    """Read this rank's ``files`` of one checkpoint, and its RNG states. Missing or corrupt
+    files raise naming the file."""
     path = Path(path)
 
     def read(file: Path) -> dict[str, torch.Tensor]:
@@ -195,18 +211,12 @@ def load_checkpoint(
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from None
 
-    meta_file = path / "metadata.json"
     metadata = read_metadata(path)
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_file}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION}"
-        )
+    check_format(path, metadata)
     rng_file = path / f"rng_rank{rank}.safetensors"
     return LoadedCheckpoint(
         path=path,
         metadata=metadata,
-        model=read(path / f"model{shard}.safetensors"),
-        optimizer=read(path / (optimizer_file or f"optimizer{shard}.safetensors")),
+        files={name: read(path / name) for name in files},
         rng=read(rng_file) if rng_file.exists() else {},
-        extra={name: read(path / name) for name in extra_files},
     )

@@ -1,4 +1,6 @@
-"""Model FLOPs per step (Megatron's formula), TFLOP/s per GPU and MFU against a named peak."""
+"""Peaks for MFU: known dense vendor peaks by device name, or a measured CPU matmul rate.
+
+FLOPs per step are each model family's own (``ModelFamily.flops_per_step``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import time
 
 import torch
 
-__all__ = ["gpt_flops_per_step", "PEAK_TFLOPS", "peak_tflops_for", "measure_cpu_peak_tflops"]
+__all__ = ["PEAK_TFLOPS", "peak_tflops_for", "measure_cpu_peak_tflops"]
 
 # Dense (no sparsity) vendor peaks in TFLOP/s, keyed by a substring of the device name.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -18,30 +20,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "L4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.0, "fp32": 30.3},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
 }
-
-
-def gpt_flops_per_step(
-    *,
-    batch: int,
-    seq: int,
-    layers: int,
-    hidden: int,
-    vocab: int,
-    heads: int,
-    query_groups: int,
-    kv_channels: int,
-    ffn: int,
-    swiglu: bool,
-) -> float:
-    """FLOPs of one training step (forward + backward), causal, as Megatron counts them.
-
-    6·B·s·[L·(h(q+2kv) + q·s + q·h + h·f·(3 if swiglu else 2)) + h·V], with
-    q = kv_channels·heads and kv = kv_channels·query_groups.
-    """
-    q = kv_channels * heads
-    kv = kv_channels * query_groups
-    per_layer = hidden * (q + 2 * kv) + q * seq + q * hidden + hidden * ffn * (3 if swiglu else 2)
-    return 6.0 * batch * seq * (layers * per_layer + hidden * vocab)
 
 
 def peak_tflops_for(device_name: str, gemm: str) -> float | None:

@@ -16,7 +16,7 @@ import torch
 from fp8train.linear import Linear
 from parallel.pipeline import schedule_ops
 
-__all__ = ["forward_backward", "forward_only", "track_health"]
+__all__ = ["forward_backward", "forward_only", "new_totals", "track_health"]
 
 
 def _autocast(state):
@@ -26,10 +26,17 @@ def _autocast(state):
     return torch.autocast(device_type=state.device.type, dtype=dtype)
 
 
-def _masked_loss(losses: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of masked token losses, number of tokens) of one micro-batch."""
-    mask = batch["loss_mask"].float()
-    return (losses.float() * mask).sum(), mask.sum()
+def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -> torch.Tensor:
+    """Add the micro-batch's ``(sum, count)`` per metric into ``totals``; return its objective."""
+    objective, sums = state.family.loss(output, batch)
+    pairs = [part.detach().float() for name in state.family.metric_names for part in sums[name]]
+    totals.add_(torch.stack(pairs))
+    return objective
+
+
+def new_totals(state) -> torch.Tensor:
+    """``[sum, count]`` per metric of the family, in ``metric_names`` order."""
+    return torch.zeros(2 * len(state.family.metric_names), device=state.device)
 
 
 def track_health(state, on: bool) -> None:
@@ -42,41 +49,37 @@ def track_health(state, on: bool) -> None:
 
 def forward_backward(state, batches: list[dict], health: bool = False) -> torch.Tensor:
     """Forward and backward over ``batches`` (this step's micro-batches, on the device);
-    gradients accumulate in the parameters. Returns ``[sum of token losses, tokens]`` of the
-    micro-batches whose loss this rank computed (zeros on pipeline stages without the head).
+    gradients accumulate in the parameters. Returns ``[sum, count]`` per metric (the family's
+    ``metric_names``) of the micro-batches whose loss this rank computed (zeros on pipeline
+    stages without the head).
 
     ``health``: measure FP8 cast underflow/saturation from the last micro-batch's forward on.
     """
     n_micro = len(batches)
     scaler = state.scaler
-    totals = torch.zeros(2, device=state.device)
+    totals = new_totals(state)
+    model, family = state.model, state.family
 
-    def loss_of(losses: torch.Tensor, batch: dict) -> torch.Tensor:
-        total, count = _masked_loss(losses, batch)
-        totals.add_(torch.stack([total.detach(), count]))
-        # Mean over this micro-batch's tokens, averaged over micro-batches (Megatron).
-        return scaler.scale(total / count.clamp(min=1) / n_micro)
+    def loss_of(output: torch.Tensor, batch: dict) -> torch.Tensor:
+        # The micro-batch's mean, averaged over micro-batches (Megatron), loss-scaled.
+        return scaler.scale(_loss_sums(state, output, batch, totals) / n_micro)
 
     try:
         if state.engine is None:
             for micro, batch in enumerate(batches):
                 track_health(state, health and micro == n_micro - 1)
                 with _autocast(state):
-                    losses = state.model(
-                        batch["tokens"], batch.get("position_ids"), labels=batch["labels"]
-                    )
-                loss_of(losses, batch).backward()
+                    output = model.forward_chunk(0, None, family.model_inputs(batch))
+                loss_of(output, batch).backward()
             return totals
-        model, layout = state.model, state.engine.layout
+        layout = state.engine.layout
 
         def forward(chunk: int, micro: int, hidden):
             if health and micro == n_micro - 1:
                 track_health(state, True)
             batch = batches[micro]
             with _autocast(state):
-                out = model.forward_chunk(
-                    chunk, hidden, batch["tokens"], batch.get("position_ids"), batch["labels"]
-                )
+                out = model.forward_chunk(chunk, hidden, family.model_inputs(batch))
             return loss_of(out, batch) if layout.has_head(chunk) else out
 
         ops = schedule_ops(
@@ -94,26 +97,23 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
 
 @torch.no_grad()
 def forward_only(state, batches: list[dict]) -> torch.Tensor:
-    """``[sum of token losses, tokens]`` over ``batches`` without gradients (evaluation)."""
-    totals = torch.zeros(2, device=state.device)
+    """``[sum, count]`` per metric over ``batches`` without gradients (evaluation)."""
+    totals = new_totals(state)
+    model, family = state.model, state.family
     if state.engine is None:
         for batch in batches:
             with _autocast(state):
-                losses = state.model(
-                    batch["tokens"], batch.get("position_ids"), labels=batch["labels"]
-                )
-            totals.add_(torch.stack(_masked_loss(losses, batch)))
+                output = model.forward_chunk(0, None, family.model_inputs(batch))
+            _loss_sums(state, output, batch, totals)
         return totals
-    model, layout = state.model, state.engine.layout
+    layout = state.engine.layout
 
     def forward(chunk: int, micro: int, hidden):
         batch = batches[micro]
         with _autocast(state):
-            out = model.forward_chunk(
-                chunk, hidden, batch["tokens"], batch.get("position_ids"), batch["labels"]
-            )
+            out = model.forward_chunk(chunk, hidden, family.model_inputs(batch))
         if layout.has_head(chunk):
-            totals.add_(torch.stack(_masked_loss(out, batch)))
+            _loss_sums(state, out, batch, totals)
         return out
 
     ops = schedule_ops(

@@ -11,15 +11,20 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
+from training.checkpoint_format import optimizer_layouts
 from training.checkpointing import (
+    check_format,
+    fp8_replica_file,
     latest_checkpoint,
     load_checkpoint,
+    model_file,
+    optimizer_file,
     read_metadata,
     restore_rng,
     save_checkpoint,
 )
 from training.config import Config, ConfigError, config_to_dict
-from training.flops import gpt_flops_per_step, measure_cpu_peak_tflops, peak_tflops_for
+from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
@@ -48,15 +53,23 @@ def _sum_over_replicas(values: torch.Tensor, state: RunState) -> torch.Tensor:
 
 
 def _sync_shared_embedding(state: RunState) -> None:
-    """Sum the gradients of the tied embedding's two copies (first and last stage)."""
-    shared = state.model.shared_embedding()
-    if shared is None:
-        return
-    grad = state.optimizer.grad_of(shared)
-    dist.all_reduce(grad, group=state.groups.embedding)
-    state.meter.record_collective(
-        "embedding_all_reduce", "all_reduce", "embedding", grad.dtype, grad.nbytes, 2
-    )
+    """Sum the gradients of parameters two stages hold (a tied embedding's first- and
+    last-stage copies)."""
+    for shared in state.model.shared_parameters():
+        grad = state.optimizer.grad_of(shared)
+        dist.all_reduce(grad, group=state.groups.embedding)
+        state.meter.record_collective(
+            "embedding_all_reduce", "all_reduce", "embedding", grad.dtype, grad.nbytes, 2
+        )
+
+
+def _per_metric(state: RunState, reduced: torch.Tensor, clamp: bool = False) -> dict[str, float]:
+    """``{metric: sum / count}`` from the ``[sum, count, ...]`` totals of the family."""
+    out = {}
+    for i, name in enumerate(state.family.metric_names):
+        count = reduced[2 * i + 1].clamp(min=1) if clamp else reduced[2 * i + 1]
+        out[name] = float(reduced[2 * i] / count)
+    return out
 
 
 def train_step(
@@ -109,8 +122,9 @@ def train_step(
     scaler.update(found_inf=not finite)
     state.scheduler.step(1)
     opt.zero_grad()
-    reduced = _sum_over_replicas(loss_and_tokens, state)
-    stats.update(loss=float(reduced[0] / reduced[1]), grad_norm=norm, skipped=not finite)
+    losses = _per_metric(state, _sum_over_replicas(loss_and_tokens, state))
+    headline = state.family.metric_names[0]
+    stats.update(loss=losses[headline], losses=losses, grad_norm=norm, skipped=not finite)
     # Wire bytes per gradient element: of the FP8 weight-gradient collectives alone when there
     # are any (the "1 byte per element" claim at W=2), and of every gradient collective
     # together (neither the pipeline's activation sends nor the weights' all-gather are
@@ -128,8 +142,9 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(state: RunState, n_micro: int) -> float:
-    """Mean validation loss over eval_iters global batches, always the same samples."""
+def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
+    """Mean validation value of each metric over eval_iters global batches, always the same
+    samples."""
     t = state.cfg.training
     topo = state.groups.topology
     state.model.eval()
@@ -142,8 +157,7 @@ def evaluate(state: RunState, n_micro: int) -> float:
             break
     totals = forward_only(state, batches)
     state.model.train()
-    reduced = _sum_over_replicas(totals, state)
-    return float(reduced[0] / reduced[1].clamp(min=1))
+    return _per_metric(state, _sum_over_replicas(totals, state), clamp=True)
 
 
 def _find_resume(cfg: Config):
@@ -195,20 +209,17 @@ def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
 
 def _restore(state: RunState, path) -> tuple[int, int]:
     topo = state.groups.topology
-    _check_compatible(state.cfg, read_metadata(path), path, topo.data)
-    replica_file = _replica_state_file(state)
-    ckpt = load_checkpoint(
-        path,
-        topo.rank,
-        _shard_name(topo),
-        _optimizer_file(state),
-        extra_files=(replica_file,) if replica_file else (),
-    )
-    model_state = ckpt.model
-    if replica_file:  # this replica's own FP8 scaling state over the replicated one
-        model_state = {**model_state, **ckpt.extra[replica_file]}
-    state.model.load_state_dict(model_state, strict=True)
-    state.optimizer.load_state_tensors(ckpt.optimizer)
+    metadata = read_metadata(path)
+    check_format(path, metadata)
+    _check_compatible(state.cfg, metadata, path, topo.data)
+    replica = _replica_state_file(state)
+    names = (model_file(topo), optimizer_file(topo, state.optimizer.distributed))
+    ckpt = load_checkpoint(path, topo.rank, names + ((replica,) if replica else ()))
+    model_state = ckpt.files[names[0]]
+    if replica:  # this replica's own FP8 scaling state over the replicated one
+        model_state = {**model_state, **ckpt.files[replica]}
+    state.model.load_canonical_state_dict(model_state)
+    state.optimizer.load_state_tensors(ckpt.files[names[1]])
     state.scheduler.load_state_dict(ckpt.metadata["scheduler"])
     state.scaler.load_state_dict(ckpt.metadata["loss_scaler"])
     if ckpt.rng:
@@ -218,9 +229,11 @@ def _restore(state: RunState, path) -> tuple[int, int]:
 
 
 def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> None:
-    topo = state.groups.topology
+    topo, model, opt = state.groups.topology, state.model, state.optimizer
     meta = {
         "config": config_to_dict(state.cfg),
+        "family": state.family.name,
+        "model_structure": state.family.checkpoint_structure(state.model_config, state.data),
         "consumed_samples": consumed,
         "scheduler": state.scheduler.state_dict(),
         "loss_scaler": state.scaler.state_dict(),
@@ -228,20 +241,30 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
         "world_size": topo.world_size,
         "counters": counters,
     }
-    model_state = state.model.state_dict()
+    # Canonical names and layouts (training/checkpoint_format.py); one writer per file.
+    model_state, layouts = model.canonical_state_dict(), model.tensor_layouts()
+    files = {}
+    if topo.dp_rank == 0:
+        files[model_file(topo)] = (model_state, layouts)
+    if opt.distributed or topo.dp_rank == 0:
+        tensors = opt.state_tensors()
+        shapes = {name: tuple(p.shape) for name, p in opt.param_names.items()}
+        files[optimizer_file(topo, opt.distributed)] = (
+            tensors,
+            optimizer_layouts(tensors, layouts, shapes),
+        )
+    replica = _replica_state_file(state)
+    if replica:
+        scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
+        files[replica] = (scaling, layouts)
     save_checkpoint(
         state.cfg.resolved_checkpoint_dir(),
         iteration,
-        model_state=model_state,
-        optimizer_state=state.optimizer.state_tensors(),
+        files=files,
         metadata=meta,
         device=state.device,
         rank=topo.rank,
-        writes_replicated=topo.dp_rank == 0,
         keep_last=state.cfg.checkpoint.keep_last,
-        shard=_shard_name(topo),
-        optimizer_file=_optimizer_file(state),
-        extra_files=_replica_state(state, model_state),
     )
 
 
@@ -251,29 +274,7 @@ def _replica_state_file(state: RunState) -> str | None:
     topo = state.groups.topology
     if topo.data == 1 or not state.recipe.fp8_gemm:
         return None
-    return f"fp8_scaling{_shard_name(topo)}_dp{topo.dp_rank}.safetensors"
-
-
-def _replica_state(state: RunState, model_state: dict) -> dict:
-    name = _replica_state_file(state)
-    if name is None:
-        return {}
-    scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
-    return {name: scaling}
-
-
-def _optimizer_file(state: RunState) -> str | None:
-    """The distributed optimizer's per-rank state file (None: replicated, one per slice)."""
-    if not state.optimizer.distributed:
-        return None
-    topo = state.groups.topology
-    return f"optimizer{_shard_name(topo)}_dp{topo.dp_rank}.safetensors"
-
-
-def _shard_name(topo) -> str:
-    """This rank's model slice in checkpoint file names: ``_tp1``, ``_pp0``, ``_tp1_pp0``."""
-    name = f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
-    return name + (f"_pp{topo.pp_rank}" if topo.pipeline > 1 else "")
+    return fp8_replica_file(topo)
 
 
 def _peak(state: RunState) -> tuple[float, str]:
@@ -287,30 +288,15 @@ def _peak(state: RunState) -> tuple[float, str]:
     return measure_cpu_peak_tflops(), f"measured fp32 matmul rate of {name}"
 
 
-def _flops_per_step(state: RunState) -> float:
-    m, t = state.model_config, state.cfg.training
-    return gpt_flops_per_step(
-        batch=t.global_batch_size,
-        seq=m.seq_length,
-        layers=m.num_layers,
-        hidden=m.hidden_size,
-        vocab=m.vocab_size,
-        heads=m.num_attention_heads,
-        query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        ffn=m.ffn_hidden_size,
-        swiglu=m.activation == "swiglu",
-    )
-
-
-def pretrain(cfg: Config) -> dict:
-    """Train per ``cfg``; returns a summary (last logged loss, iterations run, ...)."""
+def pretrain(cfg: Config, family: str = "gpt") -> dict:
+    """Train model family ``family`` per ``cfg``; returns a summary (last logged losses,
+    iterations run, ...)."""
     resume_from = _find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend = None
     if resume_from is not None:
         saved_backend = read_metadata(resume_from).get("fp8_gemm_backend")
-    state = build_run(cfg, gemm_backend=saved_backend)
+    state = build_run(cfg, gemm_backend=saved_backend, family=family)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging
     # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.
@@ -330,9 +316,13 @@ def pretrain(cfg: Config) -> dict:
                 f"{t.train_iters}); raise training.train_iters to train further",
             )
     writer = MetricsWriter(
-        log.dir, enabled=logs, tensorboard=log.tensorboard, append=resume_from is not None
+        log.dir,
+        enabled=logs,
+        tensorboard=log.tensorboard,
+        append=resume_from is not None,
+        loss_names=state.family.metric_names,
     )
-    flops = _flops_per_step(state)
+    flops = state.family.flops_per_step(state.model_config, t.global_batch_size)
     peak, peak_source = _peak(state)
     n_params = sum(p.numel() for p in state.model.parameters())
     r = state.recipe
@@ -348,7 +338,7 @@ def pretrain(cfg: Config) -> dict:
     writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")
 
     data_iter = micro_batches(state.train_ds, consumed, t.micro_batch_size, topo.dp_rank, topo.data)
-    interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
+    interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
     last = {}
     start_time = time.time()
     printed_bytes = False
@@ -375,7 +365,8 @@ def pretrain(cfg: Config) -> dict:
         consumed += t.global_batch_size
         counters["skipped"] += int(stats["skipped"])
         counters["nan"] += int(not math.isfinite(stats["loss"]))
-        interval_loss += stats["loss"]
+        for name, value in stats["losses"].items():
+            interval_loss[name] = interval_loss.get(name, 0.0) + value
         interval_steps += 1
         eval_due = t.eval_iters > 0 and (
             iteration % t.eval_interval == 0 or iteration == t.train_iters
@@ -388,7 +379,7 @@ def pretrain(cfg: Config) -> dict:
                 writer,
                 iteration,
                 consumed,
-                interval_loss / interval_steps,
+                {k: v / interval_steps for k, v in interval_loss.items()},
                 stats,
                 elapsed,
                 flops,
@@ -397,7 +388,7 @@ def pretrain(cfg: Config) -> dict:
                 logs,
                 valid,
             )
-            interval_loss, interval_steps, interval_start = 0.0, 0, time.perf_counter()
+            interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
         stop = t.exit_interval and iteration % t.exit_interval == 0
         if t.time_limit_minutes and time.time() - start_time > 60 * t.time_limit_minutes:
             stop = True
@@ -471,8 +462,10 @@ def _gather_fp8_stats(state: RunState) -> dict:
 
 
 def _log(
-    state, writer, iteration, consumed, loss, stats, step_time, flops, peak, counters, logs, valid
+    state, writer, iteration, consumed, losses, stats, step_time, flops, peak, counters, logs, valid
 ) -> dict:
+    """``losses``: each metric's mean over the log interval; ``valid``: the validation values
+    (None when no evaluation was due)."""
     topo = state.groups.topology
     tflops = flops / (step_time * 1e12 * topo.world_size)
     bpp = state.bytes_per_param or {}
@@ -480,7 +473,7 @@ def _log(
     m = {
         "iteration": iteration,
         "consumed-samples": consumed,
-        "lm loss": loss,
+        **losses,
         "learning-rate": state.optimizer.param_groups[0]["lr"],
         "grad-norm": stats["grad_norm"],
         "loss-scale": state.scaler.loss_scale,
@@ -497,21 +490,25 @@ def _log(
         "skipped-iterations": counters["skipped"],
         "nan-iterations": counters["nan"],
     }
-    if valid is not None:
-        m["lm loss validation"] = valid
-        m["lm loss validation ppl"] = math.exp(min(valid, 20.0))
+    family = state.family
+    for name, value in (valid or {}).items():
+        m[f"{name} validation"] = value
+        if name in family.perplexity_metrics:
+            m[f"{name} validation ppl"] = math.exp(min(value, 20.0))
     mem = devices.memory_stats(state.device)
     for key, value in mem.items():  # Megatron's names: mem-allocated-bytes, ...
         m[f"mem-{key.replace('_', '-')}-bytes"] = value
     m.update(_stage_memory(state))
     if logs:
-        print(format_console_line(iteration, state.cfg.training.train_iters, m), flush=True)
+        train_iters = state.cfg.training.train_iters
+        print(format_console_line(iteration, train_iters, m, family.metric_names), flush=True)
         if valid is not None:
-            print(
-                f" validation loss at iteration {iteration} | lm loss value: {valid:.6E} | "
-                f"lm loss PPL: {m['lm loss validation ppl']:.6E} |",
-                flush=True,
-            )
+            parts = [f" validation loss at iteration {iteration}"]
+            for name, value in valid.items():
+                parts.append(f"{name} value: {value:.6E}")
+                if name in family.perplexity_metrics:
+                    parts.append(f"{name} PPL: {m[f'{name} validation ppl']:.6E}")
+            print(" | ".join(parts) + " |", flush=True)
         scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
         scalars.pop("iteration")
         for role, value in m["bytes-per-param-by-role"].items():

@@ -12,12 +12,15 @@ from pathlib import Path
 
 __all__ = ["MetricsWriter", "format_console_line"]
 
-# Tags that also get a "<tag> vs samples" twin, as Megatron writes them.
-_SAMPLE_TWINS = ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size")
+# Tags that also get a "<tag> vs samples" twin, as Megatron writes them (plus the losses).
+_SAMPLE_TWINS = ("learning-rate", "loss-scale", "grad-norm", "batch-size")
 
 
-def format_console_line(iteration: int, train_iters: int, m: dict) -> str:
-    """Megatron's training log line, field for field where the field exists here."""
+def format_console_line(
+    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...] = ("lm loss",)
+) -> str:
+    """Megatron's training log line, field for field where the field exists here; one field
+    per loss of the model family."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {m['consumed-samples']:12d}",
@@ -26,7 +29,7 @@ def format_console_line(iteration: int, train_iters: int, m: dict) -> str:
         f"MFU: {m['mfu'] * 100:.2f}%",
         f"learning rate: {m['learning-rate']:.6E}",
         f"global batch size: {m['batch-size']:5d}",
-        f"lm loss: {m['lm loss']:.6E}",
+        *(f"{name}: {m[name]:.6E}" for name in loss_names),
         f"loss scale: {m['loss-scale']:.1f}",
         f"grad norm: {m['grad-norm']:.3f}",
         f"number of skipped iterations: {m['skipped-iterations']:3d}",
@@ -38,8 +41,16 @@ def format_console_line(iteration: int, train_iters: int, m: dict) -> str:
 class MetricsWriter:
     """TensorBoard + JSON lines in ``log_dir``; inert on ranks that do not log."""
 
-    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool = True, append: bool = True):
+    def __init__(
+        self,
+        log_dir: str,
+        enabled: bool,
+        tensorboard: bool = True,
+        append: bool = True,
+        loss_names: tuple[str, ...] = ("lm loss",),
+    ):
         self.enabled = enabled
+        self.twins = (*loss_names, *_SAMPLE_TWINS)
         self.writer = None
         self.jsonl = None
         if not enabled:
@@ -62,7 +73,7 @@ class MetricsWriter:
             if value is None or not isinstance(value, int | float) or math.isnan(value):
                 continue
             self.writer.add_scalar(tag, value, iteration)
-            if samples is not None and tag in _SAMPLE_TWINS:
+            if samples is not None and tag in self.twins:
                 self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def record(self, record: dict) -> None:

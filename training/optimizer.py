@@ -17,8 +17,14 @@ from fp8train.linear import Linear
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
 from fp8train.precision import PrecisionRecipe
+from models.base import ParallelModel
 from parallel.distributed_optimizer import ParamGather, assign_owners
 from parallel.grad_buffer import GradBuffers, default_bucket_size
+from parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 __all__ = ["TrainOptimizer", "build_optimizer", "build_scheduler", "clip_grad_norm"]
 
@@ -61,14 +67,12 @@ class TrainOptimizer:
         world = 1 if group is None else torch.distributed.get_world_size(group)
         rank = 0 if group is None else torch.distributed.get_rank(group)
         # Tensor-parallel shards (their squared norms are summed over the group; replicated
-        # parameters count once). Read after lowering: lowered weights are new Parameters.
-        sharded = getattr(model, "tensor_parallel_sharded", set)()
+        # parameters count once) and a pipeline stage's copies of another stage's parameters
+        # (not counted in norms, so the pipeline-wide sum sees them once). Read after
+        # lowering: lowered weights are new Parameters.
+        sharded, copies, names = _model_facts(model)
         self.sharded = [id(p) in sharded for p in self.model_params]
-        # A pipeline stage's copy of another stage's parameter (tied embedding): not counted
-        # in norms, so the pipeline-wide sum sees it once.
-        copies = getattr(model, "pipeline_duplicates", set)()
         self.counted = [id(p) not in copies for p in self.model_params]
-        names = {id(p): n for n, p in model.named_parameters()}
 
         self.distributed = distributed and world > 1
         owners = None
@@ -130,6 +134,9 @@ class TrainOptimizer:
         self._state_index = {
             i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
         }
+        # Checkpoints key optimizer state by parameter name (training/checkpoint_format.py).
+        self._names = {id(opt_p): names[id(p)] for p, opt_p in zip(self.step_params, opt_params)}
+        self.param_names = {names[id(p)]: p for p in self.model_params}
 
     @property
     def param_groups(self):
@@ -219,30 +226,53 @@ class TrainOptimizer:
             self.gather.gather()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat name -> tensor view of everything the optimizer owns, for safetensors."""
+        """``{parameter name}:{state}`` -> tensor of everything this rank's optimizer holds
+        (``:master`` is the FP32 master at bf16), for safetensors."""
         out: dict[str, torch.Tensor] = {}
-        state = self.optimizer.state_dict()["state"]
-        for index, slots in state.items():
+        for param, slots in self.optimizer.state.items():
+            name = self._names[id(param)]
             for key, value in slots.items():
-                out[f"state.{index}.{key}"] = torch.as_tensor(value).clone()
+                out[f"{name}:{key}"] = torch.as_tensor(value).clone()
         if self.use_master:
-            for index, master in enumerate(self.master_params):
-                out[f"master.{index}"] = master.detach()
+            for master in self.master_params:
+                out[f"{self._names[id(master)]}:master"] = master.detach()
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of ``state_tensors`` (same layout); an unknown name raises naming it."""
         state_dict = self.optimizer.state_dict()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        index = {self._names[id(p)]: i for i, p in enumerate(params)}
+        masters = {self._names[id(m)]: m for m in self.master_params} if self.use_master else {}
         restored: dict[int, dict[str, torch.Tensor]] = {}
-        for name, value in tensors.items():
-            kind, index, *rest = name.split(".")
-            if kind == "state":
-                restored.setdefault(int(index), {})[rest[0]] = value
+        for full_name, value in tensors.items():
+            name, _, key = full_name.partition(":")
+            if key == "master" and name in masters:
+                with torch.no_grad():
+                    masters[name].copy_(value)
+            elif name in index:
+                restored.setdefault(index[name], {})[key] = value
+            else:
+                raise KeyError(f"optimizer state for {full_name!r}: no such parameter here")
         state_dict["state"] = restored
         self.optimizer.load_state_dict(state_dict)
-        if self.use_master:
-            with torch.no_grad():
-                for index, master in enumerate(self.master_params):
-                    master.copy_(tensors[f"master.{index}"])
+
+
+def _model_facts(model: torch.nn.Module) -> tuple[set[int], set[int], dict[int, str]]:
+    """(ids of TP shards, ids of pipeline copies, id -> single-process name). A
+    ``ParallelModel`` says so itself (required methods); any other module is taken as one
+    whole single-process model, and one holding parallel layers is refused: its norms and
+    checkpoint names would silently be wrong."""
+    if isinstance(model, ParallelModel):
+        names = model.canonical_parameter_names()
+        return model.tensor_parallel_sharded(), model.pipeline_duplicates(), names
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            raise TypeError(
+                f"{type(model).__name__}.{name} is a tensor-parallel layer: build the model as "
+                "a models.base.ParallelModel so its shards are known"
+            )
+    return set(), set(), {id(p): n for n, p in model.named_parameters()}
 
 
 def build_optimizer(model, recipe: PrecisionRecipe, opt_cfg, **buffers) -> TrainOptimizer:

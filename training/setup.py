@@ -6,21 +6,20 @@ resume. Every "not implemented yet" and every impossible layout fails here, befo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from data.gpt_data import build_gpt_datasets
-from data.prepare import prepare_data_from_prefix, prepare_default_data
-from data.tokenizer import SentencePieceTokenizer
+from families import ModelFamily, get_family
 from fp8train import gemm
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from fp8train.precision import PrecisionRecipe, get_recipe
 from fp8train.scaling import ScalingRecipe
-from models.gpt import GPTConfig, GPTModel
+from models.base import ParallelModel
+from models.context import BuildContext
 from parallel.comm_meter import CommMeter
 from parallel.pipeline import PipelineEngine, PipelineLayout
 from parallel.tensor_parallel.random import model_parallel_seed
@@ -35,12 +34,13 @@ __all__ = ["RunState", "build_run", "prepare_data", "num_microbatches", "check_l
 @dataclass
 class RunState:
     cfg: Config
+    family: ModelFamily
     groups: ProcessGroups
     device: torch.device
     recipe: PrecisionRecipe
-    tokenizer: SentencePieceTokenizer
-    model: GPTModel
-    model_config: GPTConfig
+    data: Any  # what the family's prepare_data returned (tokenizer, paths, ...)
+    model: ParallelModel
+    model_config: Any
     optimizer: TrainOptimizer
     scheduler: object
     scaler: object
@@ -54,29 +54,19 @@ class RunState:
     engine: PipelineEngine | None = None  # None without pipeline parallelism
 
 
-def prepare_data(cfg: Config, rank: int):
-    """(tokenizer model path, data prefix). Rank 0 builds the default corpus; the rest wait."""
-    d = cfg.data
-    if d.corpus == "stdlib":
+def prepare_data(family: ModelFamily, cfg: Config, rank: int):
+    """The family's data preparation: rank 0 first (it builds the caches), then the rest.
+    A ``ValueError`` from the family names a config key and becomes a ``ConfigError``."""
+    try:
         if rank == 0:
-            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
+            prepared = family.prepare_data(cfg, rank)
         if dist.is_initialized():
             dist.barrier()
         if rank != 0:
-            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
-        if rank == 0:
-            print(
-                f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
-                f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size})",
-                flush=True,
-            )
-        return prepared.tokenizer_model, prepared.data_prefix
-    try:
-        prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
-    except (FileNotFoundError, ValueError) as err:
-        key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
-        raise ConfigError(f"config: {key}: {err}") from None
-    return prepared.tokenizer_model, prepared.data_prefix
+            prepared = family.prepare_data(cfg, rank)
+    except ValueError as err:
+        raise ConfigError(f"config: {err}") from None
+    return prepared
 
 
 def _scaling(cfg: Config) -> ScalingRecipe:
@@ -116,10 +106,12 @@ def _agree_gemm_backend(choice: str, device: torch.device) -> str:
     return picked
 
 
-def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
-    """Everything but resume. ``gemm_backend`` forces the FP8 GEMM backend (a resumed run
-    reuses the one its checkpoint used, so the loss sequence stays bit-identical)."""
-    recipe = get_recipe(cfg.precision.level).require_implemented()
+def build_run(cfg: Config, gemm_backend: str | None = None, family: str = "gpt") -> RunState:
+    """Everything but resume, for model family ``family``. ``gemm_backend`` forces the FP8
+    GEMM backend (a resumed run reuses the one its checkpoint used, so the loss sequence stays
+    bit-identical)."""
+    fam = get_family(family)
+    recipe = get_recipe(cfg.precision.level)
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
@@ -129,24 +121,24 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
     )
 
-    tokenizer_model, data_prefix = prepare_data(cfg, topo.rank)
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
-    vocab = cfg.model.padded_vocab_size(tokenizer.vocab_size, topo.tensor)
-    model_config = GPTConfig.from_model_section(cfg.model, vocab)
+    data = prepare_data(fam, cfg, topo.rank)
+    model_config = fam.model_config(cfg, data, topo.tensor)
 
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.
     torch.manual_seed(cfg.training.seed)
     if groups.tensor is not None:
         model_parallel_seed(cfg.training.seed, topo.tp_rank, device)
-    model = GPTModel(
-        model_config,
+    ctx = BuildContext(
         recipe,
         _scaling(cfg),
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        pipeline=layout,
-    ).to(device)
+    )
+    model = fam.build_model(model_config, ctx, layout)
+    if not isinstance(model, ParallelModel):
+        raise TypeError(f"family {fam.name!r} built a {type(model).__name__}, not a ParallelModel")
+    model = model.to(device)
     apply_level_storage(model, recipe)  # bf16 params; O1-O3 scaled FP16 / FP8 linear weights
     if topo.pp_rank > 0:
         # Megatron's offset: every stage built the same full model from one seed; from here on
@@ -159,11 +151,10 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     meter = CommMeter()
     engine = None
     if layout.is_split:
-        seq = cfg.model.seq_length // (topo.tensor if cfg.parallel.sequence_parallel else 1)
         engine = PipelineEngine(
             layout,
             groups.pipeline,
-            shape=(cfg.training.micro_batch_size, seq, cfg.model.hidden_size),
+            shape=model.stage_activation_shape(cfg.training.micro_batch_size),
             dtype=recipe.param_dtype,  # the residual stream's dtype at every level
             device=device,
             meter=meter,
@@ -174,7 +165,6 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         chosen = _agree_gemm_backend(gemm_backend or cfg.precision.fp8_gemm_backend, device)
         gemm.set_gemm_backend(chosen)
 
-    shared = model.shared_embedding()
     optimizer = build_optimizer(
         model,
         recipe,
@@ -183,7 +173,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
         distributed=cfg.optimizer.distributed,
         bucket_size=cfg.parallel.ddp_bucket_size,
         overlap=cfg.parallel.overlap_grad_reduce,
-        held=[shared] if shared is not None else [],
+        held=model.shared_parameters(),
         meter=meter,
     )
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
@@ -192,22 +182,14 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     train_samples = t.train_iters * t.global_batch_size
     evals = t.train_iters // t.eval_interval + 1
     valid_samples = max(1, t.eval_iters * t.global_batch_size) * (1 if evals else 0)
-    train_ds, valid_ds = build_gpt_datasets(
-        data_prefix,
-        tokenizer,
-        seq_length=cfg.model.seq_length,
-        seed=t.seed,
-        split=cfg.data.split,
-        train_samples=train_samples,
-        valid_samples=valid_samples,
-        cache_dir=os.path.join(cfg.data.cache_dir, "indices"),
-    )
+    train_ds, valid_ds = fam.build_datasets(cfg, data, train_samples, valid_samples)
     return RunState(
         cfg=cfg,
+        family=fam,
         groups=groups,
         device=device,
         recipe=recipe,
-        tokenizer=tokenizer,
+        data=data,
         model=model,
         model_config=model_config,
         optimizer=optimizer,

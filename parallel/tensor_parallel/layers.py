@@ -135,6 +135,7 @@ class _ParallelLinear(nn.Module):
         meter: CommMeter | None,
         device,
         dtype,
+        skip_init: bool = False,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -155,12 +156,22 @@ class _ParallelLinear(nn.Module):
         )
         if build != "meta":
             self.to(_default_device(device))
-            self.reset_parameters()
+            if not skip_init:  # skip_init: the caller fills the shard (models.base)
+                self.reset_parameters()
 
     @property
     def weight(self) -> nn.Parameter:
         """This rank's weight shard (the inner Linear's parameter)."""
         return self.linear.weight
+
+    def partitions(self) -> dict[str, tuple[int, int]]:
+        """Parameter name (as the unsharded Linear names it) -> (split dimension, blocks) of
+        the full tensor, for the parameters that are split across the group."""
+        blocks = self.blocks if self.partition_dim == 0 else 1
+        out = {"weight": (self.partition_dim, blocks)}
+        if self.bias is not None and self.bias_sharded:
+            out["bias"] = (0, self.blocks)
+        return out
 
     def reset_parameters(self) -> None:
         """Full-tensor init on the CPU, keep this rank's slice; fresh FP8 scaling state."""
@@ -262,6 +273,7 @@ class ColumnParallelLinear(_ParallelLinear):
         meter: CommMeter | None = None,
         device=None,
         dtype=None,
+        skip_init: bool = False,
     ):
         if gather_output and (sequence_parallel or skip_bias_add):
             raise ValueError(
@@ -275,7 +287,7 @@ class ColumnParallelLinear(_ParallelLinear):
             in_features, out_features, in_features, out_shard, out_shard, group=group,
             recipe=recipe, scaling=scaling, bias=bias, skip_bias_add=skip_bias_add,
             sequence_parallel=sequence_parallel, init_method=init_method, blocks=blocks,
-            meter=meter, device=device, dtype=dtype,
+            meter=meter, device=device, dtype=dtype, skip_init=skip_init,
         )
         # fmt: on
         self.gather_output = gather_output
@@ -333,6 +345,7 @@ class RowParallelLinear(_ParallelLinear):
         meter: CommMeter | None = None,
         device=None,
         dtype=None,
+        skip_init: bool = False,
     ):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
@@ -342,7 +355,7 @@ class RowParallelLinear(_ParallelLinear):
             in_features, out_features, in_shard, out_features, out_features, group=group,
             recipe=recipe, scaling=scaling, bias=bias, skip_bias_add=skip_bias_add,
             sequence_parallel=sequence_parallel, init_method=init_method, blocks=1,
-            meter=meter, device=device, dtype=dtype,
+            meter=meter, device=device, dtype=dtype, skip_init=skip_init,
         )
         # fmt: on
         self.input_is_parallel = input_is_parallel
@@ -382,6 +395,7 @@ class VocabParallelEmbedding(nn.Module):
         meter: CommMeter | None = None,
         device=None,
         dtype=None,
+        skip_init: bool = False,
     ):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -391,8 +405,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
-        if str(device) != "meta":
+        if str(device) != "meta" and not skip_init:
             self.reset_parameters()
+
+    def partitions(self) -> dict[str, tuple[int, int]]:
+        """As ``_ParallelLinear.partitions``: the table is split along the vocabulary."""
+        return {"weight": (0, 1)}
 
     def reset_parameters(self) -> None:
         full = torch.empty(self.num_embeddings, self.embedding_dim)

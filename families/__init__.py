@@ -1,0 +1,13 @@
+"""Model families: each is one module behind ``ModelFamily`` (builder, data, batch, loss,
+FLOPs, metric names, checkpoint structure), registered by name. training/ asks the registry
+for a family and calls only the interface, so a new family needs no edit there.
+
+    from families import get_family
+    gpt = get_family("gpt")
+"""
+
+from __future__ import annotations
+
+from families.base import LossSums, ModelFamily, family_names, get_family, register_family
+
+__all__ = ["LossSums", "ModelFamily", "family_names", "get_family", "register_family"]

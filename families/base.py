@@ -1,0 +1,114 @@
+"""The model-family interface and its registry.
+
+A family answers, for one kind of model, everything the training spine would otherwise hard-code:
+how to prepare and read its data, how to build its model for a layout, which batch entries the
+model reads on every pipeline stage, how the model's output becomes named loss sums, how many
+FLOPs a step costs, and how its tensors are fused (for checkpoint readers and converters).
+
+Loss convention (Megatron's): ``loss`` returns the micro-batch's objective, a mean over what
+it counts (the training loop divides by the number of micro-batches and applies the loss
+scale), and for every metric in ``metric_names`` a ``(sum, count)`` pair; the loop adds the
+pairs over micro-batches, data-parallel replicas and pipeline stages and logs ``sum / count``.
+The first metric is the headline loss (NaN counting, the console line).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: families sit below training/
+    from models.base import ParallelModel
+    from models.context import BuildContext
+    from parallel.pipeline.layout import PipelineLayout
+
+__all__ = ["LossSums", "ModelFamily", "register_family", "get_family", "family_names"]
+
+LossSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+class ModelFamily(ABC):
+    """One model family. Subclasses set ``name`` and ``metric_names`` and implement every
+    abstract method (a missing one is a TypeError when the family is instantiated).
+
+    ``cfg`` below is the run's ``training.config.Config``; errors about it are ``ValueError``
+    whose message starts with the config key (the loop reports them as config errors).
+    """
+
+    name: ClassVar[str]
+    # Loss metrics, headline first; each is logged as-is and as "<name> validation".
+    metric_names: ClassVar[tuple[str, ...]]
+    # Metrics whose validation value also gets a perplexity twin ("<name> validation ppl").
+    perplexity_metrics: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def prepare_data(self, cfg, rank: int) -> Any:
+        """Make the data usable (build caches, train a tokenizer) and return what the other
+        methods need. The loop calls it on rank 0 first, then on the others."""
+
+    @abstractmethod
+    def model_config(self, cfg, data: Any, tensor_parallel: int) -> Any:
+        """The model's config for this run (e.g. with the vocabulary padded for TP)."""
+
+    @abstractmethod
+    def build_model(
+        self, config: Any, ctx: BuildContext, pipeline: PipelineLayout
+    ) -> ParallelModel:
+        """This rank's slice of the model (a ``models.base.ParallelModel``)."""
+
+    @abstractmethod
+    def build_datasets(self, cfg, data: Any, train_samples: int, valid_samples: int):
+        """``(train, valid)`` map-style datasets of dicts of tensors; valid may be None.
+        Called on every rank."""
+
+    @abstractmethod
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of a micro-batch that ``forward_chunk`` reads (on every stage)."""
+
+    @abstractmethod
+    def loss(
+        self, output: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, LossSums]:
+        """``(objective, {metric: (sum, count)})`` of one micro-batch (module doc)."""
+
+    @abstractmethod
+    def flops_per_step(self, config: Any, global_batch_size: int) -> float:
+        """Model FLOPs of one optimizer step (forward + backward) over the global batch."""
+
+    @abstractmethod
+    def checkpoint_structure(self, config: Any, data: Any = None) -> dict:
+        """JSON-ready facts a checkpoint reader or converter needs beyond each tensor's own
+        layout: fused tensors (QKV groups, SwiGLU halves), the true and padded vocabulary."""
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make ``family`` available as ``get_family(family.name)``; returns it."""
+    if not isinstance(family, ModelFamily):
+        raise TypeError(f"{family!r} is not a ModelFamily")
+    _REGISTRY[family.name] = family
+    return family
+
+
+def _builtin() -> None:
+    import families.gpt  # noqa: F401  (registers itself)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family ``name``; the built-in ones register on first use."""
+    if name not in _REGISTRY:
+        _builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model family {name!r}; registered: {', '.join(family_names())}"
+        ) from None
+
+
+def family_names() -> list[str]:
+    _builtin()
+    return sorted(_REGISTRY)

@@ -1,0 +1,154 @@
+"""The GPT family (GPT-2 and Llama styles): causal LM on Megatron indexed data.
+
+Data: the default corpus (the Python standard library's sources with a SentencePiece
+vocabulary trained on them) or a Megatron ``.bin/.idx`` prefix with its tokenizer; samples from
+megatron-core's ``GPTDataset`` (``tokens``, ``labels``, ``loss_mask``, ``position_ids``).
+Loss: the token cross entropy, masked and averaged over the micro-batch's counted tokens
+(``lm loss``). FLOPs: Megatron's causal formula (``gpt_flops_per_step``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from data.gpt_data import build_gpt_datasets
+from data.prepare import prepare_data_from_prefix, prepare_default_data
+from data.tokenizer import SentencePieceTokenizer
+from families.base import LossSums, ModelFamily, register_family
+from models.gpt import GPTConfig, GPTModel, pad_vocab_size
+
+__all__ = ["GPTData", "GPTFamily", "gpt_flops_per_step"]
+
+
+def gpt_flops_per_step(
+    *,
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    heads: int,
+    query_groups: int,
+    kv_channels: int,
+    ffn: int,
+    swiglu: bool,
+) -> float:
+    """FLOPs of one training step (forward + backward), causal, as Megatron counts them.
+
+    6·B·s·[L·(h(q+2kv) + q·s + q·h + h·f·(3 if swiglu else 2)) + h·V], with
+    q = kv_channels·heads and kv = kv_channels·query_groups.
+    """
+    q = kv_channels * heads
+    kv = kv_channels * query_groups
+    per_layer = hidden * (q + 2 * kv) + q * seq + q * hidden + hidden * ffn * (3 if swiglu else 2)
+    return 6.0 * batch * seq * (layers * per_layer + hidden * vocab)
+
+
+@dataclass(frozen=True)
+class GPTData:
+    tokenizer: SentencePieceTokenizer
+    data_prefix: str
+
+
+class GPTFamily(ModelFamily):
+    name = "gpt"
+    metric_names = ("lm loss",)
+    perplexity_metrics = ("lm loss",)
+
+    def prepare_data(self, cfg, rank: int) -> GPTData:
+        d = cfg.data
+        if d.corpus == "stdlib":
+            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
+            if rank == 0:
+                print(
+                    f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
+                    f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size})",
+                    flush=True,
+                )
+        else:
+            try:
+                prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
+            except (FileNotFoundError, ValueError) as err:
+                key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
+                raise ValueError(f"{key}: {err}") from None
+        return GPTData(SentencePieceTokenizer(prepared.tokenizer_model), prepared.data_prefix)
+
+    def model_config(self, cfg, data: GPTData, tensor_parallel: int) -> GPTConfig:
+        vocab = pad_vocab_size(
+            data.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, tensor_parallel
+        )
+        return GPTConfig.from_model_section(cfg.model, vocab)
+
+    def build_model(self, config: GPTConfig, ctx, pipeline) -> GPTModel:
+        return GPTModel(config, ctx, pipeline)
+
+    def build_datasets(self, cfg, data: GPTData, train_samples: int, valid_samples: int):
+        return build_gpt_datasets(
+            data.data_prefix,
+            data.tokenizer,
+            seq_length=cfg.model.seq_length,
+            seed=cfg.training.seed,
+            split=cfg.data.split,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            cache_dir=os.path.join(cfg.data.cache_dir, "indices"),
+        )
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inputs = {"tokens": batch["tokens"], "labels": batch["labels"]}
+        if "position_ids" in batch:
+            inputs["position_ids"] = batch["position_ids"]
+        return inputs
+
+    def loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, LossSums]:
+        # output: the per-token cross entropy [b, s]; the mask drops padding / end-of-document.
+        mask = batch["loss_mask"].float()
+        total, count = (output.float() * mask).sum(), mask.sum()
+        return total / count.clamp(min=1), {"lm loss": (total, count)}
+
+    def flops_per_step(self, config: GPTConfig, global_batch_size: int) -> float:
+        return gpt_flops_per_step(
+            batch=global_batch_size,
+            seq=config.seq_length,
+            layers=config.num_layers,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            heads=config.num_attention_heads,
+            query_groups=config.num_query_groups,
+            kv_channels=config.kv_channels,
+            ffn=config.ffn_hidden_size,
+            swiglu=config.activation == "swiglu",
+        )
+
+    def checkpoint_structure(self, config: GPTConfig, data: GPTData | None = None) -> dict:
+        """Fused tensors by name pattern (``*`` = any layer index) and the vocabulary:
+        ``qkv`` rows are ``[G x (r q-heads, k, v) x d]`` (models/transformer.py), SwiGLU's
+        ``fc1`` rows ``[gate | up]``; the word embedding (and an untied head) has
+        ``padded_vocab_size`` rows of which the first ``vocab_size`` are real."""
+        groups = config.num_query_groups
+        fused = {
+            "layers.*.attention.qkv": {
+                "kind": "qkv_grouped",
+                "query_groups": groups,
+                "heads_per_group": config.num_attention_heads // groups,
+                "head_dim": config.kv_channels,
+            }
+        }
+        if config.activation == "swiglu":
+            fused["layers.*.mlp.fc1"] = {"kind": "gate_up", "blocks": 2}
+        vocab_tensors = ["word_embeddings.weight"]
+        if config.untie_embeddings_and_output_weights:
+            vocab_tensors.append("output_layer.weight")
+        return {
+            "family": self.name,
+            "fused": fused,
+            "vocab_size": data.tokenizer.vocab_size if data is not None else None,
+            "padded_vocab_size": config.vocab_size,
+            "vocab_tensors": vocab_tensors,
+        }
+
+
+register_family(GPTFamily())

@@ -1,0 +1,57 @@
+"""What every layer of a model needs to know about the run it is built for, in one object.
+
+A model, its blocks and their linears are built against one ``BuildContext`` instead of five
+threaded arguments (recipe, scaling, device, tensor-parallel group, sequence parallelism).
+It holds a process group but never calls torch.distributed: parallel/'s layers do that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8train.precision import PrecisionRecipe
+from fp8train.scaling import ScalingRecipe
+
+__all__ = ["BuildContext", "tp_size"]
+
+
+def tp_size(group) -> int:
+    """Ranks in a tensor-parallel group (None: no tensor parallelism)."""
+    return 1 if group is None else group.size()
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """recipe: the precision level's recipe (None = plain FP32 linears); scaling: the FP8
+    scaling recipe; device: where parameters are built (None = the default device, "meta" =
+    shapes only); tp_group: the tensor-parallel group (None or a 1-rank group = no TP);
+    sequence_parallel: activations between the GEMMs are sequence shards of that group.
+    materialize: False builds parallel layers without initialising them (their values are
+    filled in afterwards, slice by slice, see ``models.base``)."""
+
+    recipe: PrecisionRecipe | None = None
+    scaling: ScalingRecipe | None = None
+    device: torch.device | str | None = None
+    tp_group: object = None
+    sequence_parallel: bool = False
+    materialize: bool = field(default=True, compare=False)
+
+    def __post_init__(self):
+        if tp_size(self.tp_group) == 1:
+            object.__setattr__(self, "tp_group", None)
+        if self.sequence_parallel and self.tp_group is None:
+            raise ValueError("sequence parallelism needs a tensor-parallel group of 2+ ranks")
+
+    @property
+    def tp(self) -> int:
+        return tp_size(self.tp_group)
+
+    def linear_kwargs(self) -> dict:
+        """Keywords for ``fp8train.linear.Linear`` and the parallel linears."""
+        return dict(recipe=self.recipe, scaling=self.scaling, device=self.device)
+
+    def single(self) -> BuildContext:
+        """The same run on one process: no TP, no SP (the reference the slices are cut from)."""
+        return BuildContext(self.recipe, self.scaling, self.device)

@@ -1,0 +1,144 @@
+"""The canonical checkpoint format (version 2), and a reader that needs no model code.
+
+Every rank writes only what it holds, under the single-process tensor names whatever the
+layout. Each safetensors file carries, in its header metadata under ``fp8train.layouts``, one
+JSON entry per tensor saying how it relates to the full single-process tensor:
+
+    partition_dim  null (whole) or the dimension split across tensor-parallel ranks
+    blocks         the split dimension is this many concatenated equal blocks, each split
+                   across the ranks (SwiGLU's [gate | up]); 1 otherwise
+    tp_rank, tp_size  which shard this is
+    per_shard      state every tensor-parallel shard keeps for itself (FP8 scaling histories,
+                   the per-shard scale of a scaled weight): the reader stacks the shards along
+                   a new first dimension (one row per rank; the tensor itself at TP=1)
+    scale_inv      name of the per-tensor FP32 scale of a scaled FP16/FP8 tensor in the same
+                   file: its value is ``data * scale_inv`` (shard by shard)
+    pipeline_copy  another pipeline stage stores the counted copy (a tied head's embedding)
+    dtype          the stored dtype (safetensors says it too; kept for readers of the JSON)
+
+Optimizer tensors are named ``{parameter}:{state}`` (``layers.0.mlp.fc1.weight:exp_avg``), so
+state is keyed by parameter name, not by an index that depends on grouping or ownership;
+a state with the parameter's shape is split like the parameter. ``metadata.json`` holds the
+run's config, counters and ``model_structure`` (fused tensors, the unpadded vocabulary size).
+
+The reader below imports only torch, safetensors and json: it is the reference for tools that
+reshard or convert checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LAYOUT_KEY",
+    "write_tensors",
+    "read_layouts",
+    "optimizer_layouts",
+    "reassemble",
+    "reassemble_tensor",
+]
+
+FORMAT_VERSION = 2
+LAYOUT_KEY = "fp8train.layouts"
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], layouts: dict) -> None:
+    """Save ``tensors`` (CPU copies are made) with their layouts in the file's header."""
+    own = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    entries = {}
+    for name, value in own.items():
+        entry = dict(layouts.get(name, _WHOLE))
+        entry["dtype"] = str(value.dtype).removeprefix("torch.")
+        entries[name] = entry
+    save_file(own, str(path), metadata={LAYOUT_KEY: json.dumps(entries, sort_keys=True)})
+
+
+_WHOLE = {
+    "partition_dim": None,
+    "blocks": 1,
+    "tp_rank": 0,
+    "tp_size": 1,
+    "per_shard": False,
+    "pipeline_copy": False,
+}
+
+
+def read_layouts(path: str | Path) -> dict[str, dict]:
+    """The per-tensor layouts of one file (empty for a file without them)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta.get(LAYOUT_KEY, "{}"))
+
+
+def optimizer_layouts(
+    tensors: dict[str, torch.Tensor], param_layouts: dict[str, dict], param_shapes: dict
+) -> dict[str, dict]:
+    """Layouts of ``{parameter}:{state}`` tensors from their parameters' layouts: a state of
+    the parameter's (local) shape is split like it, anything else (a step count, a scale) is
+    per shard when the parameter is split or per-shard, whole otherwise."""
+    out = {}
+    for name, value in tensors.items():
+        param, _, key = name.partition(":")
+        base = param_layouts.get(param, _WHOLE)
+        if tuple(value.shape) == tuple(param_shapes.get(param, ())):
+            entry = {**base, "per_shard": False}
+            entry.pop("scale_inv", None)
+            if f"{name}_scale_inv" in tensors:
+                entry["scale_inv"] = f"{name}_scale_inv"
+        else:
+            split = base["partition_dim"] is not None or base["per_shard"]
+            entry = {**base, "partition_dim": None, "blocks": 1, "per_shard": split}
+            entry.pop("scale_inv", None)
+        out[name] = entry
+    return out
+
+
+def reassemble_tensor(shards: list[tuple[dict, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """The full tensor from its stored pieces: ``(layout, data, scale_inv or None)`` each."""
+    counted = [s for s in shards if not s[0].get("pipeline_copy")] or shards
+    by_rank: dict[int, tuple[dict, torch.Tensor, torch.Tensor | None]] = {}
+    for piece in counted:  # data-parallel or pipeline copies of one shard: keep one
+        by_rank.setdefault(piece[0]["tp_rank"], piece)
+    pieces = [by_rank[r] for r in sorted(by_rank)]
+    values = [d.float() * s.float() if s is not None else d for _, d, s in pieces]
+    layout = pieces[0][0]
+    if layout["partition_dim"] is None:
+        if layout["per_shard"] and layout["tp_size"] > 1:
+            return torch.stack(values)
+        return values[0]
+    if len(values) != layout["tp_size"]:
+        raise ValueError(f"{len(values)} of {layout['tp_size']} tensor-parallel shards present")
+    dim, blocks = layout["partition_dim"], layout["blocks"]
+    if blocks == 1:
+        return torch.cat(values, dim)
+    # Each shard is [block_0 piece | block_1 piece | ...]: regroup block-major.
+    split = [v.chunk(blocks, dim) for v in values]
+    return torch.cat([split[r][b] for b in range(blocks) for r in range(len(values))], dim)
+
+
+def reassemble(path: str | Path, kind: str = "model") -> dict[str, torch.Tensor]:
+    """Every full tensor of checkpoint directory ``path``: ``kind`` "model" reads the
+    ``model*.safetensors`` files, "optimizer" the ``optimizer*.safetensors`` ones. Scaled
+    tensors come back dequantized to FP32; their scales as stored (per shard)."""
+    files = sorted(Path(path).glob(f"{kind}*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {kind}*.safetensors in {path}")
+    pieces: dict[str, list] = defaultdict(list)
+    for file in files:
+        layouts = read_layouts(file)
+        if not layouts:
+            raise ValueError(f"{file}: no '{LAYOUT_KEY}' header (not a format-2 checkpoint)")
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                layout = layouts[name]
+                scale_name = layout.get("scale_inv")
+                scale = f.get_tensor(scale_name) if scale_name else None
+                pieces[name].append((layout, f.get_tensor(name), scale))
+    return {name: reassemble_tensor(parts) for name, parts in sorted(pieces.items())}

@@ -1,0 +1,42 @@
+"""The body of every ``pretrain_<family>.py`` entry point: parse, load the strict config, train.
+
+A bad config or layout prints one line naming the culprit and exits 2 before anything is
+written; the entry points differ only in the model family they name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+__all__ = ["main"]
+
+
+def main(family: str, argv: list[str] | None = None, description: str = "") -> int:
+    parser = argparse.ArgumentParser(description=description or f"Pretrain a {family} model")
+    parser.add_argument("--config", required=True, help="YAML config file (see docs/CONFIG.md)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_args(argv)
+
+    # megatron-core warns at import that TE/apex are absent; we use neither on purpose.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+    from parallel.topology import TopologyError, destroy_distributed
+    from training.checkpointing import CheckpointError
+    from training.config import ConfigError, load_config
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from training.loop import pretrain
+
+        pretrain(cfg, family=family)
+    except (ConfigError, TopologyError, CheckpointError) as err:
+        # Every rank hits the same check; one line from rank 0 is enough.
+        if rank == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        destroy_distributed()
+        return 2
+    destroy_distributed()
+    return 0
