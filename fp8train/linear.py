@@ -1,7 +1,7 @@
 """``Linear``: the one linear layer every model GEMM goes through, FP8-aware.
 
 Without an FP8 recipe it is ``F.linear`` and nothing else. With one, the three GEMMs of a
-linear layer run in FP8 with the "hybrid" formats (DESIGN.md, "FP8 GEMMs"):
+linear layer run in FP8 with the "hybrid" formats (docs/ARCHITECTURE.md, "FP8 linear"):
 
     forward      y  = x(E4M3) · W(E4M3)ᵀ          [M,K] x [N,K]ᵀ -> [M,N]
     input grad   dx = g(E5M2) · W(E4M3)           [M,N] x [N,K]  -> [M,K]

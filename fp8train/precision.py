@@ -1,7 +1,8 @@
 """The precision table: one frozen recipe per level, read by every layer, buffer and optimizer.
 
-Rows are levels, fields are the tensor roles of the linear (GEMM) layers (DESIGN.md). Embeddings,
-norms and biases stay in higher precision at every level (``other_params``).
+Rows are levels, fields are the tensor roles of the linear (GEMM) layers (the table in
+README.md, "Precision levels"). Embeddings, norms and biases stay in higher precision at every
+level (``other_params``).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ class GPTConfig(TransformerConfig):
             self.max_position_embeddings = self.seq_length
         if self.seq_length > self.max_position_embeddings:
             raise ValueError(
-                f"model.seq_length={self.seq_length} exceeds "
-                f"model.max_position_embeddings={self.max_position_embeddings}"
+                f"model.max_position_embeddings ({self.max_position_embeddings}) must be >= "
+                f"model.seq_length ({self.seq_length})"
             )
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ValueError(f"RoPE needs an even model.kv_channels, got {self.kv_channels}")

@@ -161,6 +161,8 @@ class TransformerConfig:
     """Fields of the shared blocks; the names equal the config file's ``model.*`` keys.
 
     ``None`` fields are resolved in ``__post_init__`` so a built config is fully concrete.
+    These defaults and checks are the only ones: the YAML schema (training/config_schema.py)
+    takes its ``model.*`` defaults from here and validates by building the family's config.
     """
 
     num_layers: int
@@ -191,14 +193,15 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
             raise ValueError(
-                f"model.num_query_groups={self.num_query_groups} must divide "
-                f"model.num_attention_heads={self.num_attention_heads}"
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})"
             )
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
-                    f"model.hidden_size={self.hidden_size} is not divisible by "
-                    f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels"
+                    f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                    f"model.num_attention_heads ({self.num_attention_heads}) when "
+                    "model.kv_channels is null"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:

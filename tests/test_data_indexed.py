@@ -19,7 +19,7 @@ from data.indexed import (
 
 
 def _parse_idx(path):
-    """Independent reader of the MMIDIDX layout (see DESIGN.md, "Numbers to respect")."""
+    """Independent reader of Megatron's MMIDIDX layout (data/indexed.py documents it)."""
     raw = path.read_bytes()
     assert raw[:9] == b"MMIDIDX\x00\x00"
     (version,) = struct.unpack_from("<Q", raw, 9)

@@ -145,7 +145,7 @@ def _instrument_launches(state, events: list) -> None:
     the meter had counted so far, and at every launch whether ``finish`` had begun."""
     buffers, model = state.optimizer.buffers, state.model
     in_finish = [False]
-    forward, launch, finish = model.forward, buffers._launch, buffers.finish
+    forward, launch, finish = model.forward_chunk, buffers._launch, buffers.finish
 
     def counted_forward(*args, **kwargs):
         events.append(["forward", len(buffers.launch_log), state.meter.step_bytes])
@@ -162,7 +162,11 @@ def _instrument_launches(state, events: list) -> None:
         finally:
             in_finish[0] = False
 
-    model.forward, buffers._launch, buffers.finish = counted_forward, logged_launch, flagged_finish
+    model.forward_chunk, buffers._launch, buffers.finish = (
+        counted_forward,
+        logged_launch,
+        flagged_finish,
+    )
 
 
 def _train(state, probes: tuple, tensors: dict) -> dict:

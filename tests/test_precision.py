@@ -1,11 +1,11 @@
-"""The precision table as DESIGN.md writes it, and the levels that are not built yet."""
+"""The precision table as README.md writes it, and the recipes' runtime flags."""
 
 import pytest
 import torch
 
 from fp8train.precision import LEVELS, get_recipe
 
-# level: (GEMM, grad comm, weight, master, weight grad, Adam m, Adam v) from DESIGN.md.
+# level: (GEMM, grad comm, weight, master, weight grad, Adam m, Adam v) from README.md.
 TABLE = {
     "fp32": ("fp32", "fp32", "fp32", None, "fp32", "fp32", "fp32"),
     "bf16": ("bf16", "fp32", "bf16", "fp32", "fp32", "fp32", "fp32"),

@@ -7,7 +7,7 @@ from their formats: bf16 rounds every GEMM output and the sharded GEMMs sum part
 in other groupings, a few BF16 ulps (2**-8 relative each) on logits and gradients: 5e-2
 relative (norm) for gradients. FP8 (te, O2): every weight shard is cast with its own
 per-tensor scale fitted to the shard, not to the whole matrix, and each cast rounds to half an
-E4M3 ulp (2**-4 relative) — the gradient floors of DESIGN.md (18 dB, 12.6% relative) bound the
+E4M3 ulp (2**-4 relative) — the project's gradient SQNR floors (18 dB, 12.6% relative) bound the
 difference between two such roundings: 0.2 relative (norm) per gradient tensor (measured up to
 0.14). O1 and O3 store the weights themselves in FP16 / FP8 with a per-shard scale as well.
 """

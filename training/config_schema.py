@@ -24,6 +24,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, pad_vocab_size
+from models.transformer import ACTIVATIONS, NORMALIZATIONS, RECOMPUTE
+from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -40,6 +44,9 @@ __all__ = [
     "field_spec",
     "show_value",
 ]
+
+# The model section's defaults and choices come from the model's own config (one source).
+_GPT = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 
 PrecisionLevel = Literal["fp32", "bf16", "fp16", "te", "O1", "O2", "O3"]
 PRECISION_LEVELS: tuple[str, ...] = typing.get_args(PrecisionLevel)
@@ -154,35 +161,46 @@ class ModelConfig(_Section):
     hidden_size: int = _f(256, "Model width h.", ge=1)
     num_attention_heads: int = _f(4, "Query heads.", ge=1)
     num_query_groups: int | None = _f(
-        None, "Key/value heads; null = one per query head (MHA), fewer = GQA.", ge=1
+        _GPT["num_query_groups"],
+        "Key/value heads; null = one per query head (MHA), fewer = GQA.",
+        ge=1,
     )
-    kv_channels: int | None = _f(None, "Per-head width; null = hidden_size / heads.", ge=1)
+    kv_channels: int | None = _f(
+        _GPT["kv_channels"], "Per-head width; null = hidden_size / heads.", ge=1
+    )
     ffn_hidden_size: int | None = _f(
-        None,
+        _GPT["ffn_hidden_size"],
         "MLP width; null = 4*hidden (gelu) or int(8/3*hidden) rounded up to a multiple of 64 "
         "(swiglu, which keeps the parameter count of a 4*hidden gelu MLP).",
         ge=1,
     )
     seq_length: int = _f(256, "Tokens per training sample.", ge=1)
     max_position_embeddings: int | None = _f(
-        None, "Positions the model supports; null = seq_length.", ge=1
+        _GPT["max_position_embeddings"], "Positions the model supports; null = seq_length.", ge=1
     )
-    position_embedding_type: Literal["learned_absolute", "rope"] = _f(
-        "learned_absolute", "learned_absolute (GPT-2/3) or rope (rotary, Llama)."
+    position_embedding_type: Literal[POSITION_EMBEDDING_TYPES] = _f(
+        _GPT["position_embedding_type"], "learned_absolute (GPT-2/3) or rope (rotary, Llama)."
     )
-    rotary_base: float = _f(10000.0, "RoPE theta (only with rope).", gt=0)
-    normalization: Literal["LayerNorm", "RMSNorm"] = _f("LayerNorm", "Norm layer type.")
-    norm_epsilon: float = _f(1e-5, "Epsilon of the norm layers.", gt=0)
-    activation: Literal["gelu", "swiglu"] = _f("gelu", "MLP activation.")
-    add_bias_linear: bool = _f(True, "Biases in the linear layers (false for Llama).")
+    rotary_base: float = _f(_GPT["rotary_base"], "RoPE theta (only with rope).", gt=0)
+    normalization: Literal[NORMALIZATIONS] = _f(_GPT["normalization"], "Norm layer type.")
+    norm_epsilon: float = _f(_GPT["norm_epsilon"], "Epsilon of the norm layers.", gt=0)
+    activation: Literal[ACTIVATIONS] = _f(_GPT["activation"], "MLP activation.")
+    add_bias_linear: bool = _f(
+        _GPT["add_bias_linear"], "Biases in the linear layers (false for Llama)."
+    )
     untie_embeddings_and_output_weights: bool = _f(
-        False, "Separate output head instead of reusing the input embedding."
+        _GPT["untie_embeddings_and_output_weights"],
+        "Separate output head instead of reusing the input embedding.",
     )
-    hidden_dropout: float = _f(0.0, "Dropout after attention/MLP.", ge=0, lt=1)
-    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", ge=0, lt=1)
-    init_method_std: float = _f(0.02, "Std of the normal weight initialisation.", gt=0)
-    recompute: Literal["none", "full", "selective"] = _f(
-        "none",
+    hidden_dropout: float = _f(_GPT["hidden_dropout"], "Dropout after attention/MLP.", ge=0, lt=1)
+    attention_dropout: float = _f(
+        _GPT["attention_dropout"], "Dropout on attention probabilities.", ge=0, lt=1
+    )
+    init_method_std: float = _f(
+        _GPT["init_method_std"], "Std of the normal weight initialisation.", gt=0
+    )
+    recompute: Literal[RECOMPUTE] = _f(
+        _GPT["recompute"],
         "Activation recompute: none; full (keep each layer's input, rerun the layer in "
         "backward: least memory, ~1/3 more compute); selective (rerun only the attention core, "
         "whose s*s probabilities dominate activation memory at long sequences). Losses and "
@@ -195,44 +213,34 @@ class ModelConfig(_Section):
     )
 
     def _check(self) -> None:
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise self._err(
-                f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({self.num_attention_heads}) when "
-                "model.kv_channels is null"
-            )
-        if self.num_attention_heads % self.query_groups():
-            raise self._err(
-                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"model.num_query_groups ({self.num_query_groups})"
-            )
-        if self.max_positions() < self.seq_length:
-            raise self._err(
-                f"model.max_position_embeddings ({self.max_position_embeddings}) must be >= "
-                f"model.seq_length ({self.seq_length})"
-            )
+        # The model's own config holds the cross-key rules (one place): build it and report
+        # its first complaint in the config's words.
+        self.resolved()
+
+    def resolved(self, vocab_size: int = 1) -> GPTConfig:
+        """The concrete model shape (nulls resolved) for a padded vocabulary of
+        ``vocab_size``; a ``ConfigError`` naming the key when the combination is impossible."""
+        try:
+            return GPTConfig.from_model_section(self, vocab_size)
+        except ValueError as err:
+            raise self._err(str(err)) from None
 
     # Resolved values: the fields keep null (so the stored config says "default"), these give
-    # the concrete numbers every consumer must use.
+    # the concrete numbers every consumer must use (computed by the model config).
     def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+        return self.resolved().num_query_groups
 
     def kv_channels_or_default(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+        return self.resolved().kv_channels
 
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.activation == "swiglu":
-            return -(-int(8 / 3 * self.hidden_size) // 64) * 64
-        return 4 * self.hidden_size
+        return self.resolved().ffn_hidden_size
 
     def max_positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
+        return self.resolved().max_position_embeddings
 
     def padded_vocab_size(self, vocab_size: int, tensor: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tensor
-        return -(-vocab_size // multiple) * multiple
+        return pad_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor)
 
 
 @dataclass(frozen=True)
@@ -468,14 +476,10 @@ class Config:
                 raise ConfigError(
                     f"config: {key} ({value}) must be divisible by parallel.tensor ({p.tensor})"
                 )
-        stages = p.pipeline * (p.virtual_pipeline or 1)
-        if m.num_layers % stages:
-            what = "parallel.pipeline"
-            if p.virtual_pipeline:
-                what += " * parallel.virtual_pipeline"
-            raise ConfigError(
-                f"config: model.num_layers ({m.num_layers}) must be divisible by {what} ({stages})"
-            )
+        try:  # the pipeline split's one rule lives in PipelineLayout
+            PipelineLayout(m.num_layers, p.pipeline, p.virtual_pipeline or 1)
+        except PipelineLayoutError as err:
+            raise ConfigError(f"config: {err}") from None
 
         # megatron-core's scheduler asserts this; say it in the config's own words instead.
         decay = self.resolved_lr_decay_iters()

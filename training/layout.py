@@ -10,7 +10,7 @@ from __future__ import annotations
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 from parallel.pipeline.schedules import check_schedule
 from parallel.topology import Topology, TopologyError
-from training.config import Config, ConfigError
+from training.config_schema import Config, ConfigError
 
 __all__ = ["check_layout", "num_microbatches"]
 

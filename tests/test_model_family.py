@@ -1,0 +1,430 @@
+"""A second model family defined in this file alone, trained under every parallel layout.
+
+The toy family is the worked example of "adding a model family" (docs): a bidirectional
+sequence classifier on synthetic data. Each sample is a float feature sequence ``[seq, d_in]``
+drawn from the run's seed; a fixed random linear "teacher" of the mean feature gives its class.
+The model is input projection -> ``num_layers`` non-causal ``TransformerLayer`` blocks -> final
+norm -> mean over the sequence -> classification head, and it is registered at import, so
+spawned or forked ranks see it. Nothing in training/ or parallel/ knows about it.
+
+Each layout trains it through ``training.loop.pretrain(cfg, family="toy")`` for 5 fp32 steps
+(4 micro-batches of 2 per step, dropout 0, one evaluation at the end) and is checked against
+the single-process run: every logged loss (training and validation) within 1e-5 relative (the
+fp32 equivalence bar) and every final weight, reassembled from the layout's last checkpoint,
+under the same names and within 1e-5 relative L2 per tensor, except the attention key biases,
+which are rounding noise in every run and are checked to stay noise-sized (``weight_errors``).
+Layouts: TP=2, TP=2 with sequence parallelism, PP=2, PP=2 x virtual 2 (world size 2, run one
+after the other in one pair of forked ranks). Measured: pipeline losses bitwise equal, weights
+<= 1.4e-7 (the grad norm summed over the stages moves the clip coefficient by an FP32 ulp);
+TP losses 8.5e-8, weights <= 2.9e-7 (sharded GEMMs sum in another grouping); key biases
+<= 7.3e-7 in magnitude.
+
+In one process: each pipeline stage of the toy model holds bitwise the single-process tensors
+(slice-wise materialisation), and a family or model class that forgets an abstract method is a
+TypeError when it is made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from multiproc import rank_env, run_ranks
+from torch import nn
+
+from families import LossSums, ModelFamily, register_family
+from families.gpt import gpt_flops_per_step
+from fp8train.linear import Linear
+from models.base import LayerDict, ParallelModel
+from models.context import BuildContext
+from models.transformer import TransformerConfig, TransformerLayer, make_norm
+from parallel.pipeline.layout import PipelineLayout
+from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
+
+# ---------------------------------------------------------------------------------------------
+# The toy family: config, data, model, family.
+
+
+@dataclass(kw_only=True)
+class ToyConfig(TransformerConfig):
+    """The shared blocks' fields (from the config's ``model`` section) plus the toy's own:
+    ``input_size`` and ``num_classes`` come from the data, as GPT's vocabulary does."""
+
+    seq_length: int
+    input_size: int
+    num_classes: int
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class ToyData:
+    """What ``prepare_data`` hands the other methods: the shape of the synthetic task."""
+
+    input_size: int
+    num_classes: int
+
+
+class ToyDataset(torch.utils.data.Dataset):
+    """Map-style: item ``i`` is ``{"features": [seq, d_in] float32, "label": int64 scalar}``."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor):
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": self.features[i], "label": self.labels[i]}
+
+
+def synthetic_samples(n: int, seq: int, data: ToyData, seed: int):
+    """``n`` samples from a private generator (the global RNG is the model's): Gaussian
+    features, labelled by a fixed random linear teacher of their mean over the sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(data.input_size, data.num_classes, generator=gen)
+    features = torch.randn(n, seq, data.input_size, generator=gen)
+    labels = (features.mean(dim=1) @ teacher).argmax(dim=-1)
+    return features, labels
+
+
+class ToyModel(ParallelModel):
+    """``features [b, s, d_in]`` -> logits ``[b, num_classes]`` (float32).
+
+    Names, as the single-process model has them: ``input_proj`` (first stage), ``layers.{i}``
+    (global index), ``final_norm`` and ``head`` (last stage). The input projection and the
+    head are small and replicated over tensor-parallel ranks; the transformer blocks split
+    themselves when ``ctx.tp_group`` is set.
+    """
+
+    def build(self, ctx: BuildContext) -> None:
+        cfg, stage, device = self.config, self.pipeline, ctx.device
+        if stage.has_embedding():
+            # recipe=None: kept in high precision at every level, like GPT's embeddings.
+            self.input_proj = Linear(cfg.input_size, cfg.hidden_size, recipe=None, device=device)
+        self.layers = LayerDict(
+            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute))
+            for i in stage.local_layers()
+        )
+        if stage.has_head():
+            sp_group = ctx.tp_group if ctx.sequence_parallel else None
+            self.final_norm = make_norm(cfg, device=device, sp_group=sp_group)
+            self.head = Linear(cfg.hidden_size, cfg.num_classes, recipe=None, device=device)
+
+    def init_parameter(self, module_name, module, param_name, tensor) -> None:
+        """Linear weights N(0, init_method_std), biases zero, norm scales one."""
+        if isinstance(module, Linear) and param_name == "weight":
+            nn.init.normal_(tensor, 0.0, self.config.init_method_std)
+        elif param_name == "bias":
+            nn.init.zeros_(tensor)
+        else:
+            nn.init.ones_(tensor)
+
+    def forward_chunk(self, chunk: int, hidden: torch.Tensor | None, inputs: dict):
+        stage, group = self.pipeline, self.tp_group
+        if stage.has_embedding(chunk):
+            hidden = self.input_proj(inputs["features"])  # [b, s, h]
+            if self.sequence_parallel:
+                hidden = scatter_to_region(hidden, group, dim=1)  # [b, s/tp, h]
+        for i in stage.chunk_layers(chunk):
+            hidden = self.layers[i](hidden)
+        if not stage.has_head(chunk):
+            return hidden  # sent to the next stage
+        hidden = self.final_norm(hidden)
+        if self.sequence_parallel:
+            # The pooling and head are replicated, so every rank's gradient of the gathered
+            # tensor is the whole gradient: gather_from_region (backward keeps this rank's
+            # slice), not gather_from_sequence_region (backward would sum the copies).
+            hidden = gather_from_region(hidden, group, dim=1)  # [b, s, h]
+        return self.head(hidden.mean(dim=1)).float()  # [b, classes]
+
+    def pipeline_copies(self) -> dict[str, bool]:
+        return {}  # no parameter lives on two stages
+
+    def stage_activation_shape(self, micro_batch_size: int) -> tuple[int, ...]:
+        seq = self.config.seq_length // (self.ctx.tp if self.sequence_parallel else 1)
+        return (micro_batch_size, seq, self.config.hidden_size)
+
+
+class ToyFamily(ModelFamily):
+    """Sequence classification on synthetic data (module doc). Metrics: the mean cross
+    entropy (``loss``, the headline) and ``accuracy``, each a ``(sum, count)`` over samples."""
+
+    name = "toy"
+    metric_names = ("loss", "accuracy")
+
+    def __init__(self, input_size: int = 8, num_classes: int = 4):
+        self.input_size, self.num_classes = input_size, num_classes
+
+    def prepare_data(self, cfg, rank: int) -> ToyData:
+        return ToyData(self.input_size, self.num_classes)  # generated in memory: nothing to do
+
+    def model_config(self, cfg, data: ToyData, tensor_parallel: int) -> ToyConfig:
+        m = cfg.model
+        shared = {f.name: getattr(m, f.name) for f in fields(TransformerConfig)}
+        return ToyConfig(
+            **shared, seq_length=m.seq_length, recompute=m.recompute,
+            input_size=data.input_size, num_classes=data.num_classes,
+        )  # fmt: skip
+
+    def build_model(self, config: ToyConfig, ctx, pipeline) -> ToyModel:
+        return ToyModel(config, ctx, pipeline)
+
+    def build_datasets(self, cfg, data: ToyData, train_samples: int, valid_samples: int):
+        n = train_samples + valid_samples
+        features, labels = synthetic_samples(n, cfg.model.seq_length, data, cfg.training.seed)
+        train = ToyDataset(features[:train_samples], labels[:train_samples])
+        return train, ToyDataset(features[train_samples:], labels[train_samples:])
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"features": batch["features"]}
+
+    def loss(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, LossSums]:
+        labels = batch["label"]
+        total = F.cross_entropy(output, labels, reduction="sum")
+        count = torch.tensor(float(labels.numel()), device=output.device)
+        correct = (output.argmax(dim=-1) == labels).sum().float()
+        return total / count, {"loss": (total, count), "accuracy": (correct, count)}
+
+    def flops_per_step(self, config: ToyConfig, global_batch_size: int) -> float:
+        """The blocks as GPT counts them (no vocabulary), plus the projection and head."""
+        b, s, h = global_batch_size, config.seq_length, config.hidden_size
+        blocks = gpt_flops_per_step(
+            batch=b, seq=s, layers=config.num_layers, hidden=h, vocab=0,
+            heads=config.num_attention_heads, query_groups=config.num_query_groups,
+            kv_channels=config.kv_channels, ffn=config.ffn_hidden_size,
+            swiglu=config.activation == "swiglu",
+        )  # fmt: skip
+        return blocks + 6.0 * b * (s * config.input_size * h + h * config.num_classes)
+
+    def checkpoint_structure(self, config: ToyConfig, data: ToyData | None = None) -> dict:
+        """The shared blocks' fused tensors (layouts in models/transformer.py)."""
+        groups = config.num_query_groups
+        fused = {
+            "layers.*.attention.qkv": {
+                "kind": "qkv_grouped",
+                "query_groups": groups,
+                "heads_per_group": config.num_attention_heads // groups,
+                "head_dim": config.kv_channels,
+            }
+        }
+        if config.activation == "swiglu":
+            fused["layers.*.mlp.fc1"] = {"kind": "gate_up", "blocks": 2}
+        return {"family": self.name, "fused": fused, "num_classes": config.num_classes}
+
+
+register_family(ToyFamily())
+
+# ---------------------------------------------------------------------------------------------
+# Training it under every layout.
+
+STEPS = 5
+# name -> (world size, parallel section)
+LAYOUTS = {
+    "single": (1, {}),
+    "tp2": (2, {"tensor": 2}),
+    "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pipeline": 2}),
+    "pp2_v2": (2, {"pipeline": 2, "virtual_pipeline": 2}),
+}
+PARALLEL = [name for name in LAYOUTS if name != "single"]
+TOLERANCE = 1e-5  # fp32: the project's equivalence bar
+
+
+def toy_config(run_dir: Path, parallel: dict) -> dict:
+    """A seconds-long fp32 run: 4 layers (PP=2 x virtual 2 needs 4), 4 micro-batches of 2."""
+    return {
+        "model": {
+            "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 8,
+            "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        },
+        "data": {"cache_dir": str(run_dir / "cache")},
+        "training": {
+            "train_iters": STEPS, "micro_batch_size": 2, "global_batch_size": 8,
+            "eval_interval": STEPS, "eval_iters": 1, "seed": 1234,
+        },
+        "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "lr_warmup_iters": 1},
+        "precision": {"level": "fp32"},
+        "parallel": parallel,
+        # peak_tflops: skip the CPU peak measurement; no TensorBoard thread in the ranks.
+        "logging": {"dir": str(run_dir), "interval": 1, "tensorboard": False, "peak_tflops": 1.0},
+        "checkpoint": {"save_interval": 0, "resume": False},
+    }  # fmt: skip
+
+
+def _worker(rank: int, world: int, port: int, configs: list[dict]) -> None:
+    """One rank of every run in ``configs``, one after the other (later runs reuse the process
+    group and add their own groups)."""
+    rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    from parallel.topology import destroy_distributed
+    from training.config import config_from_dict
+    from training.loop import pretrain
+
+    for cfg in configs:
+        pretrain(config_from_dict(cfg), family="toy")
+    destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Train every layout once (one forked process, then one pair of forked ranks); returns
+    each layout's run directory (``metrics.jsonl``, ``checkpoints/``)."""
+    import training.loop  # noqa: F401  (imported once here, inherited by the forked ranks)
+
+    root = tmp_path_factory.mktemp("toy_family")
+    dirs = {name: root / name for name in LAYOUTS}
+    for world in (1, 2):
+        configs = [toy_config(dirs[n], p) for n, (w, p) in LAYOUTS.items() if w == world]
+        run_ranks(_worker, world, (configs,), timeout=300, start_method="fork")
+    return dirs
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from training.checkpoint_format import reassemble
+    from training.checkpointing import latest_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    assert path is not None and path.name == f"iter_{STEPS:07d}", path
+    return reassemble(path, "model")
+
+
+def _metadata(run_dir: Path) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"iter_{STEPS:07d}" / "metadata.json").read_text())
+
+
+def loss_error(run_dir: Path, ref_dir: Path) -> float:
+    """Worst relative error of the logged training and validation losses."""
+    records, ref = _records(run_dir), _records(ref_dir)
+    assert (
+        [r["iteration"] for r in records] == [r["iteration"] for r in ref] == [*range(1, STEPS + 1)]
+    )
+    pairs = [
+        (r[k], q[k]) for r, q in zip(records, ref) for k in ("loss", "loss validation") if k in q
+    ]
+    assert len(pairs) == STEPS + 1  # every step, and the one evaluation
+    return max(abs(a - b) / abs(b) for a, b in pairs)
+
+
+def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tensor:
+    """The key entries of a ``qkv.bias``, from the checkpoint's ``model_structure`` (rows
+    ``[groups, heads_per_group + 2, head_dim]``, keys at ``heads_per_group``); else none."""
+    mask = torch.zeros(value.shape, dtype=torch.bool)
+    if name.endswith("attention.qkv.bias"):
+        qkv = structure["fused"]["layers.*.attention.qkv"]
+        r = qkv["heads_per_group"]
+        mask.view(qkv["query_groups"], r + 2, qkv["head_dim"])[:, r] = True
+    return mask
+
+
+def weight_errors(run_dir: Path, ref_dir: Path) -> tuple[dict[str, float], float]:
+    """(relative L2 error of every final weight against the reference's, the key biases left
+    out; the largest key-bias magnitude in either run). The key entries of ``qkv.bias`` have
+    an exactly zero gradient (softmax ignores the q.b_k added to every score of a query), so
+    their values are Adam-normalised FP32 rounding noise in every run, as are their
+    differences: they are checked to stay noise-sized instead (tests/test_distributed_optimizer.py
+    does the same)."""
+    weights, ref = _final_weights(run_dir), _final_weights(ref_dir)
+    assert sorted(weights) == sorted(ref)  # the same canonical names, nothing missing or extra
+    structure = _metadata(ref_dir)["model_structure"]
+    errors, key_bias = {}, 0.0
+    for name, r in ref.items():
+        keep = ~key_bias_mask(name, r, structure)
+        w = weights[name]
+        errors[name] = ((w[keep] - r[keep]).norm() / r[keep].norm().clamp(min=1e-30)).item()
+        if not keep.all():
+            key_bias = max(key_bias, w[~keep].abs().max().item(), r[~keep].abs().max().item())
+    return errors, key_bias
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_losses_match_single_process(runs, layout):
+    assert loss_error(runs[layout], runs["single"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_final_weights_match_single_process(runs, layout):
+    errors, key_bias = weight_errors(runs[layout], runs["single"])
+    assert max(errors.values()) < TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert key_bias < 1e-5  # noise: 1% of one Adam step at lr 1e-3
+
+
+def test_single_process_run_logs_the_family_metrics(runs):
+    records = _records(runs["single"])
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records)
+    assert math.isfinite(records[-1]["loss validation"])
+    assert 0.0 <= records[-1]["accuracy validation"] <= 1.0
+    assert "loss validation ppl" not in records[-1]  # perplexity_metrics is empty
+    weights = _final_weights(runs["single"])
+    assert {"input_proj.weight", "layers.3.attention.qkv.weight", "head.bias"} <= set(weights)
+    meta = _metadata(runs["single"])
+    assert meta["family"] == "toy" and meta["model_structure"]["num_classes"] == 4
+
+
+def _model_config() -> ToyConfig:
+    from training.config import config_from_dict
+
+    cfg = config_from_dict(toy_config(Path("unused"), {}))
+    return ToyFamily().model_config(cfg, ToyFamily().prepare_data(cfg, 0), tensor_parallel=1)
+
+
+def test_pipeline_stages_are_cut_from_the_single_process_model():
+    """In one process (a pipeline layout needs no process group to be built): each stage holds
+    the single-process model's tensors under the same names, bitwise, and leaves the RNG where
+    building the whole model does (the materialisation rule of models/base.py)."""
+    config = _model_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        full = dict(ToyModel(config).named_parameters())
+        after = torch.rand(4)
+        held = []
+        for rank in (0, 1):
+            torch.manual_seed(0)
+            stage = ToyModel(
+                config, BuildContext(), PipelineLayout(config.num_layers, 2, rank=rank)
+            )
+            assert torch.equal(torch.rand(4), after)
+            for name, p in stage.named_parameters():
+                assert torch.equal(p, full[name]), name
+            held += [name for name, _ in stage.named_parameters()]
+    assert sorted(held) == sorted(full)  # the stages partition the model
+
+
+# ---------------------------------------------------------------------------------------------
+# A family or model that forgets an abstract method fails when it is made, not later.
+
+
+def _without(cls: type, method: str, base: type) -> type:
+    """A direct subclass of ``base`` with ``cls``'s own methods except ``method``."""
+    body = {k: v for k, v in vars(cls).items() if not k.startswith("__") and k != method}
+    return type(f"No_{method}", (base,), body)
+
+
+@pytest.mark.parametrize("method", sorted(ModelFamily.__abstractmethods__))
+def test_family_missing_a_method_cannot_be_instantiated(method):
+    incomplete = _without(ToyFamily, method, ModelFamily)
+    with pytest.raises(TypeError, match=method):
+        incomplete()
+    with pytest.raises(TypeError, match="not a ModelFamily"):
+        register_family(incomplete)  # the class, not an instance
+
+
+@pytest.mark.parametrize("method", sorted(ParallelModel.__abstractmethods__))
+def test_model_missing_a_method_fails_at_build(method):
+    incomplete = _without(ToyModel, method, ParallelModel)
+
+    class Family(ToyFamily):
+        def build_model(self, config, ctx, pipeline):
+            return incomplete(config, ctx, pipeline)
+
+    config = _model_config()
+    with pytest.raises(TypeError, match=method):
+        Family().build_model(config, BuildContext(), PipelineLayout(config.num_layers))
