@@ -24,7 +24,14 @@ if TYPE_CHECKING:  # annotations only: families sit below training/
     from models.context import BuildContext
     from parallel.pipeline.layout import PipelineLayout
 
-__all__ = ["LossSums", "ModelFamily", "register_family", "get_family", "family_names"]
+__all__ = [
+    "LossSums",
+    "ModelFamily",
+    "RESERVED_METRICS",
+    "register_family",
+    "get_family",
+    "family_names",
+]
 
 LossSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,10 +92,40 @@ class ModelFamily(ABC):
         layout: fused tensors (QKV groups, SwiGLU halves), the true and padded vocabulary."""
 
 
-def register_family(family: ModelFamily) -> ModelFamily:
-    """Make ``family`` available as ``get_family(family.name)``; returns it."""
+# Keys the loop writes into every metrics record: a family's metric may not shadow one.
+RESERVED_METRICS = frozenset(
+    {
+        "iteration", "consumed-samples", "learning-rate", "grad-norm", "loss-scale",
+        "batch-size", "iteration-time", "throughput", "mfu", "bytes-per-param",
+        "bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-grad-element",
+        "wire-bytes-per-grad-element-all", "wire-bytes-per-element", "skipped-iterations",
+        "nan-iterations",
+    }
+)  # fmt: skip
+
+
+def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Make ``family`` available as ``get_family(family.name)``; returns it. A different
+    family under a taken name is refused unless ``replace`` (re-registering the same class,
+    e.g. when its module is imported again, is allowed)."""
     if not isinstance(family, ModelFamily):
         raise TypeError(f"{family!r} is not a ModelFamily")
+    names = tuple(family.metric_names)
+    if not names:
+        raise ValueError(f"family {family.name!r}: metric_names is empty")
+    clash = sorted(set(names) & RESERVED_METRICS) or sorted(
+        n for n in names if n.endswith((" validation", " validation ppl"))
+    )
+    if clash:
+        raise ValueError(f"family {family.name!r}: metric name {clash[0]!r} is reserved")
+    unknown = sorted(set(family.perplexity_metrics) - set(names))
+    if unknown:
+        raise ValueError(f"family {family.name!r}: perplexity metric {unknown[0]!r} not a metric")
+    old = _REGISTRY.get(family.name)
+    if old is not None and type(old) is not type(family) and not replace:
+        raise ValueError(
+            f"model family {family.name!r} is already registered ({type(old).__qualname__})"
+        )
     _REGISTRY[family.name] = family
     return family
 

@@ -128,17 +128,7 @@ class GPTFamily(ModelFamily):
         ``qkv`` rows are ``[G x (r q-heads, k, v) x d]`` (models/transformer.py), SwiGLU's
         ``fc1`` rows ``[gate | up]``; the word embedding (and an untied head) has
         ``padded_vocab_size`` rows of which the first ``vocab_size`` are real."""
-        groups = config.num_query_groups
-        fused = {
-            "layers.*.attention.qkv": {
-                "kind": "qkv_grouped",
-                "query_groups": groups,
-                "heads_per_group": config.num_attention_heads // groups,
-                "head_dim": config.kv_channels,
-            }
-        }
-        if config.activation == "swiglu":
-            fused["layers.*.mlp.fc1"] = {"kind": "gate_up", "blocks": 2}
+        fused = config.fused_tensors()
         vocab_tensors = ["word_embeddings.weight"]
         if config.untie_embeddings_and_output_weights:
             vocab_tensors.append("output_layer.weight")

@@ -155,8 +155,22 @@ class ParallelModel(nn.Module, ABC):
 
     @torch.no_grad()
     def _materialize(self) -> None:
+        rng = torch.get_rng_state()
         reference = type(self)(self.config, replace(self.ctx.single(), device="meta"))
         owned = list(_parameters_by_module(reference))
+        # A module built off ctx.device would draw from the RNG here and hold real values:
+        # every slice would silently start from other weights than the single process.
+        for module_name, module, params in owned:
+            if any(not module._parameters[n].is_meta for n in params):
+                raise RuntimeError(
+                    f"{type(self).__name__}.build: module {module_name!r} ignores ctx.device "
+                    "(create every parameter on ctx.device)"
+                )
+        if not torch.equal(rng, torch.get_rng_state()):
+            raise RuntimeError(
+                f"{type(self).__name__}.build draws random numbers on the meta device: create "
+                "modules on ctx.device and initialise in init_parameter / reset_parameters"
+            )
         # 2. the construction draws of the single-process model, on scratch tensors
         for _, module, params in owned:
             reset = getattr(module, "reset_parameters", None)

@@ -15,8 +15,7 @@ Logits are returned, and the cross entropy computed, in float32 even when parame
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,22 +90,9 @@ class GPTConfig(TransformerConfig):
 
     @classmethod
     def from_model_section(cls, section: object, vocab_size: int) -> GPTConfig:
-        """Build from any object (or mapping) whose attributes are named like the fields.
-
-        Missing attributes keep the field default; extra ones (tokenizer settings, ...) are
-        ignored. ``vocab_size`` comes from the caller because it depends on the tokenizer and
-        the padding, not on the model section.
-        """
-        get = section.get if isinstance(section, Mapping) else lambda k, d: getattr(section, k, d)
-        missing = object()
-        kwargs = {}
-        for f in fields(cls):
-            if f.name == "vocab_size":
-                continue
-            value = get(f.name, missing)
-            if value is not missing:
-                kwargs[f.name] = value
-        return cls(vocab_size=vocab_size, **kwargs)
+        """``TransformerConfig.from_model_section`` with the (padded) vocabulary, which
+        depends on the tokenizer and the padding, not on the model section."""
+        return super().from_model_section(section, vocab_size=vocab_size)
 
 
 class GPTModel(ParallelModel):
@@ -122,7 +108,7 @@ class GPTModel(ParallelModel):
     the final norm and head on the last; ``forward_chunk`` runs one model chunk. With a tied
     head the last stage keeps its own copy of ``word_embeddings``, equal at the start (both are
     cut from one full model) and kept equal by summing the two copies' gradients
-    (``shared_embedding``), as Megatron does.
+    (``pipeline_copies``), as Megatron does.
     """
 
     def __init__(
@@ -204,12 +190,6 @@ class GPTModel(ParallelModel):
         if not self._tied or self.word_embeddings is None or not self.pipeline.is_split:
             return {}
         return {"word_embeddings.weight": self.pipeline.has_embedding()}
-
-    def shared_embedding(self) -> nn.Parameter | None:
-        """The tied word-embedding weight when a pipeline split puts a copy of it on both the
-        first and the last stage (their gradients must be summed), else None."""
-        shared = self.shared_parameters()
-        return shared[0] if shared else None
 
     def stage_activation_shape(self, micro_batch_size: int) -> tuple[int, ...]:
         """``[micro, seq, hidden]``, the sequence split over TP under sequence parallelism."""

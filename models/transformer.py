@@ -34,7 +34,8 @@ GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,40 @@ class TransformerConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")
+
+    @classmethod
+    def from_model_section(cls, section: object, **given):
+        """Build from any object (or mapping) whose attributes are named like the fields.
+
+        Missing attributes keep the field default; extra ones (tokenizer settings, ...) are
+        ignored. ``given`` supplies fields that do not come from the config section (a
+        padded vocabulary, a data-dependent input size) and wins over the section.
+        """
+        get = section.get if isinstance(section, Mapping) else lambda k, d: getattr(section, k, d)
+        missing = object()
+        kwargs = {}
+        for f in fields(cls):
+            value = given[f.name] if f.name in given else get(f.name, missing)
+            if value is not missing:
+                kwargs[f.name] = value
+        return cls(**kwargs)
+
+    def fused_tensors(self, prefix: str = "layers.*") -> dict[str, dict]:
+        """The shared blocks' fused GEMM weights, for checkpoint readers and converters:
+        ``qkv`` rows grouped per query group (module doc), SwiGLU's ``fc1`` as
+        ``[gate | up]``. Keys are module-name patterns (``*`` = any layer index)."""
+        groups = self.num_query_groups
+        fused = {
+            f"{prefix}.attention.qkv": {
+                "kind": "qkv_grouped",
+                "query_groups": groups,
+                "heads_per_group": self.num_attention_heads // groups,
+                "head_dim": self.kv_channels,
+            }
+        }
+        if self.activation == "swiglu":
+            fused[f"{prefix}.mlp.fc1"] = {"kind": "gate_up", "blocks": 2}
+        return fused
 
 
 class RMSNorm(nn.Module):

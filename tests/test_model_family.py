@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -164,12 +164,10 @@ class ToyFamily(ModelFamily):
         return ToyData(self.input_size, self.num_classes)  # generated in memory: nothing to do
 
     def model_config(self, cfg, data: ToyData, tensor_parallel: int) -> ToyConfig:
-        m = cfg.model
-        shared = {f.name: getattr(m, f.name) for f in fields(TransformerConfig)}
-        return ToyConfig(
-            **shared, seq_length=m.seq_length, recompute=m.recompute,
-            input_size=data.input_size, num_classes=data.num_classes,
-        )  # fmt: skip
+        # The shared blocks' keys (and seq_length, recompute) come from the model section.
+        return ToyConfig.from_model_section(
+            cfg.model, input_size=data.input_size, num_classes=data.num_classes
+        )
 
     def build_model(self, config: ToyConfig, ctx, pipeline) -> ToyModel:
         return ToyModel(config, ctx, pipeline)
@@ -203,17 +201,7 @@ class ToyFamily(ModelFamily):
 
     def checkpoint_structure(self, config: ToyConfig, data: ToyData | None = None) -> dict:
         """The shared blocks' fused tensors (layouts in models/transformer.py)."""
-        groups = config.num_query_groups
-        fused = {
-            "layers.*.attention.qkv": {
-                "kind": "qkv_grouped",
-                "query_groups": groups,
-                "heads_per_group": config.num_attention_heads // groups,
-                "head_dim": config.kv_channels,
-            }
-        }
-        if config.activation == "swiglu":
-            fused["layers.*.mlp.fc1"] = {"kind": "gate_up", "blocks": 2}
+        fused = config.fused_tensors()
         return {"family": self.name, "fused": fused, "num_classes": config.num_classes}
 
 

@@ -29,7 +29,11 @@ def _autocast(state):
 def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -> torch.Tensor:
     """Add the micro-batch's ``(sum, count)`` per metric into ``totals``; return its objective."""
     objective, sums = state.family.loss(output, batch)
-    pairs = [part.detach().float() for name in state.family.metric_names for part in sums[name]]
+    pairs = [
+        torch.as_tensor(part, device=state.device).detach().float()
+        for name in state.family.metric_names
+        for part in sums[name]
+    ]
     totals.add_(torch.stack(pairs))
     return objective
 
