@@ -81,8 +81,9 @@ def optimizer_layouts(
     tensors: dict[str, torch.Tensor], param_layouts: dict[str, dict], param_shapes: dict
 ) -> dict[str, dict]:
     """Layouts of ``{parameter}:{state}`` tensors from their parameters' layouts: a state of
-    the parameter's (local) shape is split like it, anything else (a step count, a scale) is
-    per shard when the parameter is split or per-shard, whole otherwise."""
+    the parameter's (local) shape is split like it; a ``*_scale_inv`` of a split or per-shard
+    parameter is per shard (each shard scales its own moments); anything else (a step count)
+    is whole, the same on every shard."""
     out = {}
     for name, value in tensors.items():
         param, _, key = name.partition(":")
@@ -94,6 +95,7 @@ def optimizer_layouts(
                 entry["scale_inv"] = f"{name}_scale_inv"
         else:
             split = base["partition_dim"] is not None or base["per_shard"]
+            split = split and key.endswith("_scale_inv")
             entry = {**base, "partition_dim": None, "blocks": 1, "per_shard": split}
             entry.pop("scale_inv", None)
         out[name] = entry
@@ -109,12 +111,13 @@ def reassemble_tensor(shards: list[tuple[dict, torch.Tensor, torch.Tensor | None
     pieces = [by_rank[r] for r in sorted(by_rank)]
     values = [d.float() * s.float() if s is not None else d for _, d, s in pieces]
     layout = pieces[0][0]
+    split = layout["partition_dim"] is not None or layout["per_shard"]
+    if split and len(values) != layout["tp_size"]:
+        raise ValueError(f"{len(values)} of {layout['tp_size']} tensor-parallel shards present")
     if layout["partition_dim"] is None:
         if layout["per_shard"] and layout["tp_size"] > 1:
             return torch.stack(values)
         return values[0]
-    if len(values) != layout["tp_size"]:
-        raise ValueError(f"{len(values)} of {layout['tp_size']} tensor-parallel shards present")
     dim, blocks = layout["partition_dim"], layout["blocks"]
     if blocks == 1:
         return torch.cat(values, dim)
