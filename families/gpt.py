@@ -110,18 +110,10 @@ class GPTFamily(ModelFamily):
         return total / count.clamp(min=1), {"lm loss": (total, count)}
 
     def flops_per_step(self, config: GPTConfig, global_batch_size: int) -> float:
-        return gpt_flops_per_step(
-            batch=global_batch_size,
-            seq=config.seq_length,
-            layers=config.num_layers,
-            hidden=config.hidden_size,
-            vocab=config.vocab_size,
-            heads=config.num_attention_heads,
-            query_groups=config.num_query_groups,
-            kv_channels=config.kv_channels,
-            ffn=config.ffn_hidden_size,
-            swiglu=config.activation == "swiglu",
-        )
+        """Megatron's causal formula (``gpt_flops_per_step``): the blocks plus the head."""
+        b, s = global_batch_size, config.seq_length
+        head = 6.0 * b * s * config.hidden_size * config.vocab_size
+        return config.layer_flops_per_step(b, s, causal=True) + head
 
     def checkpoint_structure(self, config: GPTConfig, data: GPTData | None = None) -> dict:
         """Fused tensors by name pattern (``*`` = any layer index) and the vocabulary:

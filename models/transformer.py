@@ -228,6 +228,20 @@ class TransformerConfig:
                 kwargs[f.name] = value
         return cls(**kwargs)
 
+    def layer_flops_per_step(self, batch: int, seq: int, causal: bool = True) -> float:
+        """FLOPs of the ``num_layers`` blocks in one training step (forward + backward) over
+        ``batch`` sequences of ``seq`` tokens, as Megatron counts them:
+        ``6·B·s·L·(h(q+2kv) + c·q·s + q·h + h·f·(3 if swiglu else 2))`` with
+        q = kv_channels·heads, kv = kv_channels·query_groups and c = 1 for a causal mask
+        (half the score and value GEMMs are masked out), 2 for a bidirectional one."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        q = self.kv_channels * self.num_attention_heads
+        kv = self.kv_channels * self.num_query_groups
+        attn_core = (1 if causal else 2) * q * seq
+        mlp = h * f * (3 if self.activation == "swiglu" else 2)
+        per_layer = h * (q + 2 * kv) + attn_core + q * h + mlp
+        return 6.0 * batch * seq * self.num_layers * per_layer
+
     def fused_tensors(self, prefix: str = "layers.*") -> dict[str, dict]:
         """The shared blocks' fused GEMM weights, for checkpoint readers and converters:
         ``qkv`` rows grouped per query group (module doc), SwiGLU's ``fc1`` as

@@ -515,3 +515,15 @@ def test_o2_tp2_reassembles_close_to_tp1(checkpoint):
         if name.endswith("fp8_weight.amax_history"):
             full_amax = sharded["model"][name].amax(0)  # the largest of the shards' amaxes
             assert (full_amax - single["model"][name]).abs().max() <= 3.5e-3, name
+
+
+def test_an_incomplete_checkpoint_is_refused(tmp_path):
+    """With metadata.json beside them, every slice's file must be present: a missing stage or
+    tensor-parallel rank is named instead of leaving its tensors silently out."""
+    meta = {"config": {"parallel": {"tensor": 2, "pipeline": 1}, "optimizer": {}}}
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    _write_shards(tmp_path, "model", "w", torch.rand(4, 2).chunk(2, 0), 0)
+    assert reassemble(tmp_path)["w"].shape == (4, 2)
+    (tmp_path / "model_tp1.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="incomplete: model_tp1.safetensors is missing"):
+        reassemble(tmp_path)

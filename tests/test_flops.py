@@ -40,3 +40,22 @@ def test_known_peaks():
     assert peak_tflops_for("NVIDIA H200", "fp8") == 1979.0
     assert peak_tflops_for("NVIDIA H100 80GB HBM3", "bf16") == 989.0
     assert peak_tflops_for("AMD EPYC", "fp32") is None
+
+
+def test_family_flops_equal_the_formula():
+    """The GPT family's count (the blocks' ``layer_flops_per_step`` plus the head) is
+    Megatron's formula; a bidirectional mask counts the score and value GEMMs twice."""
+    from families.gpt import GPTFamily
+    from models.gpt import GPTConfig
+
+    c = GPTConfig(
+        num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
+        vocab_size=128, activation="swiglu",
+    )  # fmt: skip
+    expected = gpt_flops_per_step(
+        batch=2, seq=16, layers=3, hidden=64, vocab=128, heads=4, query_groups=2,
+        kv_channels=16, ffn=c.ffn_hidden_size, swiglu=True,
+    )  # fmt: skip
+    assert GPTFamily().flops_per_step(c, 2) == expected
+    extra = c.layer_flops_per_step(2, 16, causal=False) - c.layer_flops_per_step(2, 16)
+    assert extra == 6.0 * 2 * 16 * 3 * (16 * 4) * 16  # one more q·s per layer

@@ -38,7 +38,6 @@ from multiproc import rank_env, run_ranks
 from torch import nn
 
 from families import LossSums, ModelFamily, register_family
-from families.gpt import gpt_flops_per_step
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
@@ -189,14 +188,9 @@ class ToyFamily(ModelFamily):
         return total / count, {"loss": (total, count), "accuracy": (correct, count)}
 
     def flops_per_step(self, config: ToyConfig, global_batch_size: int) -> float:
-        """The blocks as GPT counts them (no vocabulary), plus the projection and head."""
+        """The blocks (bidirectional: every score counts) plus the projection and head."""
         b, s, h = global_batch_size, config.seq_length, config.hidden_size
-        blocks = gpt_flops_per_step(
-            batch=b, seq=s, layers=config.num_layers, hidden=h, vocab=0,
-            heads=config.num_attention_heads, query_groups=config.num_query_groups,
-            kv_channels=config.kv_channels, ffn=config.ffn_hidden_size,
-            swiglu=config.activation == "swiglu",
-        )  # fmt: skip
+        blocks = config.layer_flops_per_step(b, s, causal=False)
         return blocks + 6.0 * b * (s * config.input_size * h + h * config.num_classes)
 
     def checkpoint_structure(self, config: ToyConfig, data: ToyData | None = None) -> dict:

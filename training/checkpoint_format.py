@@ -38,6 +38,8 @@ from safetensors.torch import save_file
 __all__ = [
     "FORMAT_VERSION",
     "LAYOUT_KEY",
+    "slice_suffix",
+    "expected_files",
     "write_tensors",
     "read_layouts",
     "optimizer_layouts",
@@ -47,6 +49,31 @@ __all__ = [
 
 FORMAT_VERSION = 2
 LAYOUT_KEY = "fp8train.layouts"
+
+
+def slice_suffix(tp_rank: int, tp: int, pp_rank: int, pp: int) -> str:
+    """A model slice in file names: ``""`` (one slice), ``_tp1``, ``_pp0``, ``_tp1_pp0``."""
+    name = f"_tp{tp_rank}" if tp > 1 else ""
+    return name + (f"_pp{pp_rank}" if pp > 1 else "")
+
+
+def expected_files(metadata: dict, kind: str) -> list[str]:
+    """The ``model``/``optimizer`` files a complete checkpoint of this metadata holds: one
+    per model slice, or per slice and data-parallel rank for the distributed optimizer."""
+    parallel = metadata["config"]["parallel"]
+    tp, pp = parallel["tensor"], parallel["pipeline"]
+    dp = metadata.get("world_size", tp * pp) // (tp * pp)
+    sharded = kind == "optimizer" and metadata["config"]["optimizer"]["distributed"] and dp > 1
+    names = []
+    for p in range(pp):
+        for t in range(tp):
+            base = f"{kind}{slice_suffix(t, tp, p, pp)}"
+            names += (
+                [f"{base}_dp{d}.safetensors" for d in range(dp)]
+                if sharded
+                else [f"{base}.safetensors"]
+            )
+    return names
 
 
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], layouts: dict) -> None:
@@ -133,6 +160,15 @@ def reassemble(path: str | Path, kind: str = "model") -> dict[str, torch.Tensor]
     files = sorted(Path(path).glob(f"{kind}*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no {kind}*.safetensors in {path}")
+    meta_file = Path(path) / "metadata.json"
+    if meta_file.exists():  # a whole checkpoint: every slice's file must be there
+        missing = [
+            name
+            for name in expected_files(json.loads(meta_file.read_text()), kind)
+            if not (Path(path) / name).exists()
+        ]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {path} is incomplete: {missing[0]} is missing")
     pieces: dict[str, list] = defaultdict(list)
     for file in files:
         layouts = read_layouts(file)

@@ -35,9 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from fp8train import device as devices
-from parallel.tensor_parallel.random import get_tracker
-from training.checkpoint_format import FORMAT_VERSION, write_tensors
+from training.checkpoint_format import FORMAT_VERSION, slice_suffix, write_tensors
 
 __all__ = [
     "CheckpointError",
@@ -67,8 +65,7 @@ class LoadedCheckpoint:
 
 def slice_name(topo) -> str:
     """A rank's model slice in file names: ``""``, ``_tp1``, ``_pp0``, ``_tp1_pp0``."""
-    name = f"_tp{topo.tp_rank}" if topo.tensor > 1 else ""
-    return name + (f"_pp{topo.pp_rank}" if topo.pipeline > 1 else "")
+    return slice_suffix(topo.tp_rank, topo.tensor, topo.pp_rank, topo.pipeline)
 
 
 def model_file(topo) -> str:
@@ -96,6 +93,10 @@ def _own_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def rng_state_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    # Imported here: reading or checking checkpoint files must not pull in model code.
+    from fp8train import device as devices
+    from parallel.tensor_parallel.random import get_tracker
+
     out = {"torch_cpu": torch.get_rng_state()}
     accel = devices.rng_state(device)
     if accel is not None:
@@ -106,6 +107,9 @@ def rng_state_tensors(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def restore_rng(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    from fp8train import device as devices
+    from parallel.tensor_parallel.random import get_tracker
+
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_device" in tensors:
         devices.set_rng_state(tensors["torch_device"], device)

@@ -17,7 +17,7 @@ _SAMPLE_TWINS = ("learning-rate", "loss-scale", "grad-norm", "batch-size")
 
 
 def format_console_line(
-    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...] = ("lm loss",)
+    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...]
 ) -> str:
     """Megatron's training log line, field for field where the field exists here; one field
     per loss of the model family."""
@@ -47,7 +47,7 @@ class MetricsWriter:
         enabled: bool,
         tensorboard: bool = True,
         append: bool = True,
-        loss_names: tuple[str, ...] = ("lm loss",),
+        loss_names: tuple[str, ...] = (),
     ):
         self.enabled = enabled
         self.twins = (*loss_names, *_SAMPLE_TWINS)
