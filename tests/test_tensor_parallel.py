@@ -78,6 +78,23 @@ MAPPINGS = {
 }  # fmt: skip
 
 
+def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs):
+    """A parallel linear of class ``cls`` holding this rank's slice of a full weight (and
+    bias), built without touching the RNG; ``kwargs`` are the constructor's keywords."""
+    out_features, in_features = weight.shape
+    kwargs.setdefault("device", weight.device)
+    module = cls(in_features, out_features, bias=bias is not None, skip_init=True, **kwargs)
+    module.load_full_(weight, bias)
+    return module
+
+
+def full_weight(module) -> torch.Tensor:
+    """The full weight of a parallel linear or vocab-parallel embedding (a collective)."""
+    dim = getattr(module, "partition_dim", 0)
+    blocks = module.blocks if dim == 0 and hasattr(module, "blocks") else 1
+    return gather_full(module.weight.detach(), dim, module.group, blocks)
+
+
 def _randn(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
@@ -158,7 +175,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     meter = CommMeter()
     col = ColumnParallelLinear(H, FFN, group=group, recipe=fp32, meter=meter)
     row = RowParallelLinear(FFN, H, group=group, recipe=fp32, meter=meter)
-    res["init_full"] = [col.full_weight(), col.bias, row.full_weight(), row.bias]
+    res["init_full"] = [full_weight(col), col.bias, full_weight(row), row.bias]
     res["init_shard_shapes"] = (tuple(col.weight.shape), tuple(row.weight.shape))
     x, gy = _randn((B, S, H), 21).requires_grad_(), _randn((B, S, H), 22)
     res["mlp_fp32"] = _mlp(col, row, x, gy)
@@ -167,20 +184,20 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     normal = ColumnParallelLinear(
         H, FFN, group=group, init_method=lambda w: nn.init.normal_(w, 0.0, 0.02)
     )
-    res["init_method"] = (normal.full_weight(), gather_full(normal.bias, 0, group))
+    res["init_method"] = (full_weight(normal), gather_full(normal.bias, 0, group))
 
     # SwiGLU (blocks=2) built from full weights; gather_output / input scatter variants
     w1, b1, w2, b2 = _mlp_weights(2 * FFN)
-    col = ColumnParallelLinear.from_full(w1, b1, group=group, blocks=2)
-    row = RowParallelLinear.from_full(w2, b2, group=group)
+    col = from_full(ColumnParallelLinear, w1, b1, group=group, blocks=2)
+    row = from_full(RowParallelLinear, w2, b2, group=group)
     x = _randn((B, S, H), 21).requires_grad_()
     res["mlp_swiglu"] = _mlp(col, row, x, gy, swiglu=True)
-    colg = ColumnParallelLinear.from_full(w1, b1, group=group, blocks=2, gather_output=True)
+    colg = from_full(ColumnParallelLinear, w1, b1, group=group, blocks=2, gather_output=True)
     x = _randn((B, S, H), 21).requires_grad_()
     y = colg(x)
     _backward(y, _randn(y.shape, 23))
     res["col_gather_output"] = (y.detach(), x.grad)
-    rowf = RowParallelLinear.from_full(w2, b2, group=group, input_is_parallel=False)
+    rowf = from_full(RowParallelLinear, w2, b2, group=group, input_is_parallel=False)
     z = _randn((B, S, FFN), 24).requires_grad_()
     y = rowf(z)
     _backward(y, gy)
@@ -188,8 +205,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     # te: per-shard FP8 scales; same weights as the fp32 GELU case below
     w1, b1, w2, b2 = _mlp_weights(FFN)
-    col = ColumnParallelLinear.from_full(w1, b1, group=group, recipe=te)
-    row = RowParallelLinear.from_full(w2, b2, group=group, recipe=te)
+    col = from_full(ColumnParallelLinear, w1, b1, group=group, recipe=te)
+    row = from_full(RowParallelLinear, w2, b2, group=group, recipe=te)
     x = _randn((B, S, H), 21).requires_grad_()
     res["mlp_te"] = _mlp(col, row, x, gy)
     res["te_weight_amax"] = (
@@ -200,8 +217,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     # (3) sequence parallel: input [b, s/W, h] -> gather -> column -> row -> reduce-scatter
     meter = CommMeter()
     kw = dict(group=group, sequence_parallel=True, meter=meter)
-    col = ColumnParallelLinear.from_full(w1, b1, **kw)
-    row = RowParallelLinear.from_full(w2, b2, **kw)
+    col = from_full(ColumnParallelLinear, w1, b1, **kw)
+    row = from_full(RowParallelLinear, w2, b2, **kw)
     n = S // world
     x = _randn((B, S, H), 21)[:, rank * n : (rank + 1) * n].clone().requires_grad_()
     res["mlp_sp"] = _mlp(col, row, x, gy[:, rank * n : (rank + 1) * n])
@@ -218,7 +235,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         _backward(y, ge[:, rank * n : (rank + 1) * n] if sp else ge)
         res[f"emb_sp{int(sp)}"] = (
             y.detach(),
-            emb.full_weight(),
+            full_weight(emb),
             gather_full(emb.weight.grad, 0, group),
         )
 

@@ -102,10 +102,6 @@ def gather_full(shard: torch.Tensor, dim: int, group, blocks: int = 1) -> torch.
     return _shards_to_full(all_gather(shard.detach(), group, dim), dim, world, blocks)
 
 
-def _no_init(weight: torch.Tensor) -> None:
-    """An init_method that draws nothing (``from_full`` overwrites the weight)."""
-
-
 def _default_device(device) -> torch.device:
     return torch.device(device) if device is not None else torch.get_default_device()
 
@@ -204,26 +200,6 @@ class _ParallelLinear(nn.Module):
                 raise ValueError("this layer has a bias: pass the full bias too")
             b = shard_from_full(bias, 0, self.group, self.blocks) if self.bias_sharded else bias
             self.bias.copy_(b)
-
-    @torch.no_grad()
-    def full_weight(self) -> torch.Tensor:
-        """The full ``[out, in]`` weight gathered from every rank (a collective)."""
-        blocks = self.blocks if self.partition_dim == 0 else 1
-        return gather_full(self.linear.weight, self.partition_dim, self.group, blocks)
-
-    @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs):
-        """Build from a full weight (and bias) without touching the RNG; ``kwargs`` are the
-        constructor's keywords (``group`` required; ``device`` defaults to the weight's)."""
-        out_features, in_features = weight.shape
-        init_method = kwargs.pop("init_method", None)
-        kwargs.setdefault("device", weight.device)
-        module = cls(
-            in_features, out_features, bias=bias is not None, init_method=_no_init, **kwargs
-        )
-        module.init_method = init_method  # for a later reset_parameters()
-        module.load_full_(weight, bias)
-        return module
 
     def _output(self, y: torch.Tensor, bias: torch.Tensor | None):
         if self.skip_bias_add:
@@ -423,10 +399,6 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor) -> None:
         self.weight.copy_(weight[self.vocab_start : self.vocab_end])
-
-    @torch.no_grad()
-    def full_weight(self) -> torch.Tensor:
-        return gather_full(self.weight, 0, self.group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
