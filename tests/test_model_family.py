@@ -351,6 +351,19 @@ def test_single_process_run_logs_the_family_metrics(runs):
     assert meta["family"] == "toy" and meta["model_structure"]["num_classes"] == 4
 
 
+def test_a_checkpoint_of_another_family_is_refused_before_building(runs, tmp_path):
+    """Resuming the toy's checkpoint as GPT fails in one line naming both families, before
+    any data, model or process group is built."""
+    from training.config import ConfigError, config_from_dict
+    from training.loop import pretrain
+
+    toy = runs["single"] / "checkpoints" / f"iter_{STEPS:07d}"
+    cfg = toy_config(tmp_path, {})
+    cfg["checkpoint"] = {"load": str(toy)}
+    with pytest.raises(ConfigError, match="holds a 'toy' model; this run trains 'gpt'"):
+        pretrain(config_from_dict(cfg), family="gpt")
+
+
 def _model_config() -> ToyConfig:
     from training.config import config_from_dict
 

@@ -294,8 +294,15 @@ def pretrain(cfg: Config, family: str = "gpt") -> dict:
     resume_from = _find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend = None
-    if resume_from is not None:
-        saved_backend = read_metadata(resume_from).get("fp8_gemm_backend")
+    if resume_from is not None:  # checked before anything is built
+        saved = read_metadata(resume_from)
+        check_format(resume_from, saved)
+        if saved.get("family") != family:
+            raise ConfigError(
+                f"config: checkpoint {resume_from} holds a {saved.get('family')!r} model; this "
+                f"run trains {family!r}"
+            )
+        saved_backend = saved.get("fp8_gemm_backend")
     state = build_run(cfg, gemm_backend=saved_backend, family=family)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging
