@@ -42,6 +42,7 @@ from parallel.pipeline.layout import PipelineLayout
 from parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelBias,
     VocabParallelEmbedding,
     shard_from_full,
 )
@@ -49,7 +50,12 @@ from parallel.tensor_parallel.mappings import group_rank
 
 __all__ = ["LayerDict", "ParallelModel"]
 
-_SHARDED_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+_SHARDED_MODULES = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelBias,
+)
 
 
 class LayerDict(nn.ModuleDict):
@@ -188,7 +194,7 @@ class ParallelModel(nn.Module, ABC):
         # 3. the values, one full tensor at a time; this rank keeps its slice
         local = dict(self.named_parameters(remove_duplicate=False))
         by_name = {self.canonical_name(n): p for n, p in local.items()}
-        partitions = self._partitions()
+        partitions = self.tensor_partitions()
         filled = set()
         for module_name, module, params in owned:
             for param_name in params:
@@ -224,9 +230,11 @@ class ParallelModel(nn.Module, ABC):
             return f"{head}.{tail}"
         return name
 
-    def _partitions(self) -> dict[str, tuple[int, int]]:
+    def tensor_partitions(self) -> dict[str, tuple[int, int]]:
         """Canonical name -> (split dimension, blocks) of every tensor-parallel shard."""
         out = {}
+        if self.tp_group is None:
+            return out
         for path, module in self._parallel_paths().items():
             for param_name, part in module.partitions().items():
                 out[f"{path}.{param_name}" if path else param_name] = part
@@ -235,7 +243,7 @@ class ParallelModel(nn.Module, ABC):
     def tensor_parallel_sharded(self) -> set[int]:
         """ids of parameters split across the tensor-parallel group (the rest are replicated):
         gradient norms sum these over the group and count replicated ones once."""
-        partitions = self._partitions()
+        partitions = self.tensor_partitions()
         return {
             id(p)
             for n, p in self.named_parameters(remove_duplicate=False)
@@ -264,7 +272,7 @@ class ParallelModel(nn.Module, ABC):
         ``per_shard`` (state each shard keeps for itself, e.g. FP8 scaling),
         ``scale_inv`` (name of the per-tensor scale of a scaled FP16/FP8 weight),
         ``pipeline_copy`` (another stage stores the counted copy)."""
-        partitions = self._partitions()
+        partitions = self.tensor_partitions()
         sharded_paths = set(self._parallel_paths()) if self.tp_group is not None else set()
         copies = {n for n, counted in self.pipeline_copies().items() if not counted}
         copies = copies if self.pipeline.is_split else set()

@@ -60,13 +60,17 @@ __all__ = [
     "MLP",
     "TransformerLayer",
     "RECOMPUTE",
+    "ACTIVATIONS",
+    "NORMALIZATIONS",
+    "NORM_POSITIONS",
     "check_recompute",
     "default_ffn_size",
     "tp_size",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")  # gelu: tanh approximation (GPT-2); exact: erf
+NORM_POSITIONS = ("pre", "post")  # pre-LN (GPT, Megatron's BERT) or post-LN (BERT/RoBERTa)
 RECOMPUTE = ("none", "full", "selective")
 
 
@@ -175,6 +179,7 @@ class TransformerConfig:
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     activation: str = "gelu"
+    norm_position: str = "pre"
     add_bias_linear: bool = True
     hidden_dropout: float = 0.0  # the config schema's defaults: the YAML and the class agree
     attention_dropout: float = 0.0
@@ -190,6 +195,10 @@ class TransformerConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r}: choose one of {ACTIVATIONS}")
+        if self.norm_position not in NORM_POSITIONS:
+            raise ValueError(
+                f"model.norm_position={self.norm_position!r}: choose one of {NORM_POSITIONS}"
+            )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
@@ -424,12 +433,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP (h -> f -> h) or SwiGLU with fused ``[gate | up]`` fc1 (h -> 2f -> h)."""
+    """GELU MLP (h -> f -> h; tanh or exact erf GELU) or SwiGLU with fused ``[gate | up]``
+    fc1 (h -> 2f -> h)."""
 
     def __init__(self, config: TransformerConfig, ctx: BuildContext | None = None):
         super().__init__()
         ctx = ctx or BuildContext()
         self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = "none" if config.activation == "gelu_exact" else "tanh"
         f = config.ffn_hidden_size
         bias = config.add_bias_linear
         # SwiGLU: each rank takes a slice of the gate half and the matching slice of the up half.
@@ -443,14 +454,17 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)  # [b, s, f] each
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)  # [b, s, h]
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``.
+    """Pre-norm block (``norm_position="pre"``): ``x + drop(attn(input_norm(x)))`` then
+    ``x + drop(mlp(post_attention_norm(x)))``. Post-norm (BERT/RoBERTa):
+    ``post_attention_norm(x + drop(attn(x)))`` then ``post_mlp_norm(x + drop(mlp(x)))``.
 
     recompute: one of ``RECOMPUTE`` (module doc); applies only while autograd records.
+    attn_mask: boolean, broadcastable to ``[b, heads, s, s]``, True = attend (padding masks).
     """
 
     def __init__(
@@ -466,12 +480,16 @@ class TransformerLayer(nn.Module):
         check_recompute(recompute)
         self.recompute = recompute
         sp_group = ctx.tp_group if ctx.sequence_parallel else None
-        self.input_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
+        self.post_norm = config.norm_position == "post"
+        if not self.post_norm:
+            self.input_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
         self.attention = SelfAttention(
             config, ctx, causal=causal, recompute_core=recompute == "selective"
         )
         self.post_attention_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
         self.mlp = MLP(config, ctx)
+        if self.post_norm:
+            self.post_mlp_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = ctx.sequence_parallel
 
@@ -492,6 +510,13 @@ class TransformerLayer(nn.Module):
         attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         sharded = self.sequence_parallel and self.training and self.dropout.p > 0
+        if self.post_norm:
+            attn = self.attention(x, rotary, attn_mask)
+            with _sharded_rng(sharded):
+                x = self.post_attention_norm(x + self.dropout(attn))  # [b, s, h]
+            mlp = self.mlp(x)
+            with _sharded_rng(sharded):
+                return self.post_mlp_norm(x + self.dropout(mlp))  # [b, s, h]
         attn = self.attention(self.input_norm(x), rotary, attn_mask)
         with _sharded_rng(sharded):
             x = x + self.dropout(attn)  # [b, s, h]

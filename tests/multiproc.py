@@ -165,30 +165,19 @@ def weight_value(p) -> torch.Tensor:
 
 
 def full_tensors(model, value_of) -> dict[str, torch.Tensor]:
-    """``value_of(param)`` for every parameter of ``model`` under the single-process model's
-    names, tensor-parallel shards gathered to full tensors (a collective over ``model.tp_group``,
-    so every rank of the group calls it). Returned as float32 CPU copies."""
-    from parallel.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        gather_full,
-    )
+    """``value_of(param)`` for every parameter of ``model`` (a ``ParallelModel``) under the
+    single-process names, tensor-parallel shards gathered to full tensors as the model's
+    ``tensor_partitions`` say (a collective over ``model.tp_group``, so every rank of the group
+    calls it). Returned as float32 CPU copies."""
+    from parallel.tensor_parallel.layers import gather_full
 
-    out, group = {}, model.tp_group
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            w = value_of(module.weight).float()
-            out[f"{name}.weight"] = gather_full(w, module.partition_dim, group, module.blocks)
-            if module.bias is not None:
-                b = value_of(module.bias)
-                if isinstance(module, ColumnParallelLinear):
-                    b = gather_full(b, 0, group, module.blocks)
-                out[f"{name}.bias"] = b
-        elif isinstance(module, VocabParallelEmbedding):
-            out[f"{name}.weight"] = gather_full(value_of(module.weight), 0, group)
+    parts, group = model.tensor_partitions(), model.tp_group
+    out = {}
     for name, p in model.named_parameters():
-        key = name.replace(".linear.weight", ".weight")
-        if key not in out:
-            out[key] = value_of(p)
+        key = model.canonical_name(name)
+        value = value_of(p)
+        if key in parts:
+            dim, blocks = parts[key]
+            value = gather_full(value.float(), dim, group, blocks)
+        out[key] = value
     return {k: v.detach().float().cpu().clone() for k, v in out.items()}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, pad_vocab_size
-from models.transformer import ACTIVATIONS, NORMALIZATIONS, RECOMPUTE
+from models.transformer import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, RECOMPUTE
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 
 __all__ = [
@@ -184,7 +184,16 @@ class ModelConfig(_Section):
     rotary_base: float = _f(_GPT["rotary_base"], "RoPE theta (only with rope).", gt=0)
     normalization: Literal[NORMALIZATIONS] = _f(_GPT["normalization"], "Norm layer type.")
     norm_epsilon: float = _f(_GPT["norm_epsilon"], "Epsilon of the norm layers.", gt=0)
-    activation: Literal[ACTIVATIONS] = _f(_GPT["activation"], "MLP activation.")
+    activation: Literal[ACTIVATIONS] = _f(
+        _GPT["activation"],
+        "MLP activation: gelu (tanh approximation, GPT-2), gelu_exact (erf, BERT/RoBERTa) or "
+        "swiglu (Llama).",
+    )
+    norm_position: Literal[NORM_POSITIONS] = _f(
+        _GPT["norm_position"],
+        "pre: norm before attention and MLP (GPT, Megatron's BERT); post: after each residual "
+        "add (BERT/RoBERTa, as Hugging Face checkpoints need).",
+    )
     add_bias_linear: bool = _f(
         _GPT["add_bias_linear"], "Biases in the linear layers (false for Llama)."
     )

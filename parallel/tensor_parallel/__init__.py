@@ -14,6 +14,7 @@ from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_logits
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    VocabParallelBias,
     VocabParallelEmbedding,
     gather_full,
     shard_from_full,
@@ -33,6 +34,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "VocabParallelBias",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence_region",

@@ -59,6 +59,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "VocabParallelBias",
     "shard_from_full",
     "gather_full",
 ]
@@ -419,3 +420,28 @@ class VocabParallelEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, tp={self.world}, "
             f"vocab=[{self.vocab_start}, {self.vocab_end})"
         )
+
+
+class VocabParallelBias(nn.Module):
+    """A bias over vocabulary-parallel logits ``[.., V/W]``: this rank's slice
+    ``[r*V/W, (r+1)*V/W)`` of a ``[V]`` bias (an MLM head's output bias); the whole bias
+    without a group. Zero-initialised; ``partitions`` says how it is split."""
+
+    def __init__(
+        self, num_embeddings: int, *, group=None, device=None, dtype=None, skip_init=False
+    ):
+        super().__init__()
+        self.num_embeddings, self.group = num_embeddings, group
+        per_rank = _divide(num_embeddings, group_size(group), "num_embeddings")
+        self.bias = nn.Parameter(torch.empty(per_rank, device=device, dtype=dtype))
+        if str(device) != "meta" and not skip_init:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.bias)
+
+    def partitions(self) -> dict[str, tuple[int, int]]:
+        return {"bias": (0, 1)}
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits + self.bias
