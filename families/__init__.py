@@ -8,6 +8,20 @@ for a family and calls only the interface, so a new family needs no edit there.
 
 from __future__ import annotations
 
-from families.base import LossSums, ModelFamily, family_names, get_family, register_family
+from families.base import (
+    DEFAULT_FAMILY,
+    LossSums,
+    ModelFamily,
+    family_names,
+    get_family,
+    register_family,
+)
 
-__all__ = ["LossSums", "ModelFamily", "family_names", "get_family", "register_family"]
+__all__ = [
+    "DEFAULT_FAMILY",
+    "LossSums",
+    "ModelFamily",
+    "family_names",
+    "get_family",
+    "register_family",
+]

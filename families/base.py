@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from families.config_fields import Section
+
 if TYPE_CHECKING:  # annotations only: families sit below training/
     from models.base import ParallelModel
     from models.context import BuildContext
@@ -31,6 +33,7 @@ __all__ = [
     "register_family",
     "get_family",
     "family_names",
+    "DEFAULT_FAMILY",
 ]
 
 LossSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -47,6 +50,9 @@ class ModelFamily(ABC):
     """
 
     name: ClassVar[str]
+    # The YAML ``model`` section of this family's runs: a families.config_fields.Section
+    # (usually a families.sections.TransformerSection) whose FAMILY is ``name``.
+    model_section: ClassVar[type]
     # Loss metrics, headline first; each is logged as-is and as "<name> validation".
     metric_names: ClassVar[tuple[str, ...]]
     # Metrics whose validation value also gets a perplexity twin ("<name> validation ppl").
@@ -110,6 +116,14 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     e.g. when its module is imported again, is allowed)."""
     if not isinstance(family, ModelFamily):
         raise TypeError(f"{family!r} is not a ModelFamily")
+    section = getattr(type(family), "model_section", None)
+    if not (isinstance(section, type) and issubclass(section, Section)):
+        raise TypeError(f"family {family.name!r}: model_section must be a config Section class")
+    if section.FAMILY != family.name:
+        raise ValueError(
+            f"family {family.name!r}: its model_section {section.__name__} says FAMILY="
+            f"{section.FAMILY!r}"
+        )
     names = tuple(family.metric_names)
     if not names:
         raise ValueError(f"family {family.name!r}: metric_names is empty")
@@ -144,6 +158,9 @@ def get_family(name: str) -> ModelFamily:
         raise ValueError(
             f"unknown model family {name!r}; registered: {', '.join(family_names())}"
         ) from None
+
+
+DEFAULT_FAMILY = "gpt"  # what a config without a family (and pretrain_gpt.py) trains
 
 
 def family_names() -> list[str]:

@@ -10,7 +10,8 @@ Loss: the token cross entropy, masked and averaged over the micro-batch's counte
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
 
 import torch
 
@@ -18,9 +19,38 @@ from data.gpt_data import build_gpt_datasets
 from data.prepare import prepare_data_from_prefix, prepare_default_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily, register_family
-from models.gpt import GPTConfig, GPTModel, pad_vocab_size
+from families.config_fields import doc_field
+from families.sections import TransformerSection
+from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, GPTModel, pad_vocab_size
 
-__all__ = ["GPTData", "GPTFamily", "gpt_flops_per_step"]
+__all__ = ["GPTData", "GPTFamily", "GPTModelSection", "gpt_flops_per_step"]
+
+_GPT = {f.name: f.default for f in fields(GPTConfig)}
+
+
+@dataclass(frozen=True)
+class GPTModelSection(TransformerSection):
+    """The ``model`` section of a GPT run: the blocks' keys plus positions and the head."""
+
+    FAMILY: ClassVar[str] = "gpt"
+
+    max_position_embeddings: int | None = doc_field(
+        _GPT["max_position_embeddings"], "Positions the model supports; null = seq_length.", ge=1
+    )
+    position_embedding_type: Literal[POSITION_EMBEDDING_TYPES] = doc_field(
+        _GPT["position_embedding_type"], "learned_absolute (GPT-2/3) or rope (rotary, Llama)."
+    )
+    rotary_base: float = doc_field(_GPT["rotary_base"], "RoPE theta (only with rope).", gt=0)
+    untie_embeddings_and_output_weights: bool = doc_field(
+        _GPT["untie_embeddings_and_output_weights"],
+        "Separate output head instead of reusing the input embedding.",
+    )
+
+    def build_config(self, vocab_size: int = 1) -> GPTConfig:
+        return GPTConfig.from_model_section(self, vocab_size)
+
+    def max_positions(self) -> int:
+        return self.resolved().max_position_embeddings
 
 
 def gpt_flops_per_step(
@@ -55,6 +85,7 @@ class GPTData:
 
 class GPTFamily(ModelFamily):
     name = "gpt"
+    model_section = GPTModelSection
     metric_names = ("lm loss",)
     perplexity_metrics = ("lm loss",)
 
@@ -80,7 +111,7 @@ class GPTFamily(ModelFamily):
         vocab = pad_vocab_size(
             data.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, tensor_parallel
         )
-        return GPTConfig.from_model_section(cfg.model, vocab)
+        return cfg.model.resolved(vocab_size=vocab)
 
     def build_model(self, config: GPTConfig, ctx, pipeline) -> GPTModel:
         return GPTModel(config, ctx, pipeline)

@@ -27,7 +27,6 @@ from models.context import BuildContext
 from models.transformer import (
     TransformerConfig,
     TransformerLayer,
-    check_recompute,
     make_norm,
     rotary_cos_sin,
 )
@@ -66,11 +65,9 @@ class GPTConfig(TransformerConfig):
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     untie_embeddings_and_output_weights: bool = False
-    recompute: str = "none"  # activation recompute: "none" | "full" | "selective"
 
     def __post_init__(self):
         super().__post_init__()
-        check_recompute(self.recompute)
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r}: choose one "

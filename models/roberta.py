@@ -38,7 +38,7 @@ from torch import nn
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
-from models.transformer import TransformerConfig, TransformerLayer, check_recompute
+from models.transformer import TransformerConfig, TransformerLayer
 from parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
@@ -62,11 +62,9 @@ class RobertaConfig(TransformerConfig):
     padding_idx: int = 1
     type_vocab_size: int = 1  # RoBERTa: 1; 2 with the binary (sentence-order) head
     add_binary_head: bool = False
-    recompute: str = "none"
 
     def __post_init__(self):
         super().__post_init__()
-        check_recompute(self.recompute)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length + self.padding_idx + 1
         if self.seq_length + self.padding_idx + 1 > self.max_position_embeddings:

@@ -184,8 +184,10 @@ class TransformerConfig:
     hidden_dropout: float = 0.0  # the config schema's defaults: the YAML and the class agree
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
+    recompute: str = "none"  # activation recompute: one of RECOMPUTE (module doc)
 
     def __post_init__(self):
+        check_recompute(self.recompute)
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)}: must be >= 1")

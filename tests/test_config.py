@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from families.gpt import GPTModelSection as ModelConfig
 from training.config import (
     PRECISION_LEVELS,
     Config,
     ConfigError,
-    ModelConfig,
     ParallelConfig,
     apply_overrides,
     config_from_dict,

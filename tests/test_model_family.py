@@ -30,6 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from multiproc import rank_env, run_ranks
 from torch import nn
 
 from families import LossSums, ModelFamily, register_family
+from families.sections import TransformerSection
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
@@ -57,7 +59,17 @@ class ToyConfig(TransformerConfig):
     seq_length: int
     input_size: int
     num_classes: int
-    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class ToySection(TransformerSection):
+    """The toy's YAML ``model`` section: the blocks' keys (defaults and rules from
+    ``TransformerConfig``); its own shape fields come from the data, so none are added."""
+
+    FAMILY: ClassVar[str] = "toy"
+
+    def build_config(self, input_size: int = 1, num_classes: int = 2) -> ToyConfig:
+        return ToyConfig.from_model_section(self, input_size=input_size, num_classes=num_classes)
 
 
 @dataclass(frozen=True)
@@ -154,6 +166,7 @@ class ToyFamily(ModelFamily):
     entropy (``loss``, the headline) and ``accuracy``, each a ``(sum, count)`` over samples."""
 
     name = "toy"
+    model_section = ToySection
     metric_names = ("loss", "accuracy")
 
     def __init__(self, input_size: int = 8, num_classes: int = 4):
@@ -163,10 +176,8 @@ class ToyFamily(ModelFamily):
         return ToyData(self.input_size, self.num_classes)  # generated in memory: nothing to do
 
     def model_config(self, cfg, data: ToyData, tensor_parallel: int) -> ToyConfig:
-        # The shared blocks' keys (and seq_length, recompute) come from the model section.
-        return ToyConfig.from_model_section(
-            cfg.model, input_size=data.input_size, num_classes=data.num_classes
-        )
+        # The blocks' keys (and seq_length, recompute) come from the toy's model section.
+        return cfg.model.resolved(input_size=data.input_size, num_classes=data.num_classes)
 
     def build_model(self, config: ToyConfig, ctx, pipeline) -> ToyModel:
         return ToyModel(config, ctx, pipeline)
@@ -248,7 +259,7 @@ def _worker(rank: int, world: int, port: int, configs: list[dict]) -> None:
     from training.loop import pretrain
 
     for cfg in configs:
-        pretrain(config_from_dict(cfg), family="toy")
+        pretrain(config_from_dict(cfg, family="toy"))
     destroy_distributed()
 
 
@@ -361,13 +372,13 @@ def test_a_checkpoint_of_another_family_is_refused_before_building(runs, tmp_pat
     cfg = toy_config(tmp_path, {})
     cfg["checkpoint"] = {"load": str(toy)}
     with pytest.raises(ConfigError, match="holds a 'toy' model; this run trains 'gpt'"):
-        pretrain(config_from_dict(cfg), family="gpt")
+        pretrain(config_from_dict(cfg))  # the default family's model section: GPT
 
 
 def _model_config() -> ToyConfig:
     from training.config import config_from_dict
 
-    cfg = config_from_dict(toy_config(Path("unused"), {}))
+    cfg = config_from_dict(toy_config(Path("unused"), {}), family="toy")
     return ToyFamily().model_config(cfg, ToyFamily().prepare_data(cfg, 0), tensor_parallel=1)
 
 

@@ -26,25 +26,23 @@ import yaml
 
 from training.config_schema import (
     PRECISION_LEVELS,
-    SECTIONS,
     CheckpointConfig,
     Config,
     ConfigError,
     DataConfig,
     LoggingConfig,
-    ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
     TrainingConfig,
     field_spec,
+    sections_for,
     show_value,
 )
 
 __all__ = [
     "ConfigError",
     "Config",
-    "ModelConfig",
     "DataConfig",
     "TrainingConfig",
     "OptimizerConfig",
@@ -100,22 +98,22 @@ def parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"config: cannot parse {source}: {_one_line(err)}") from None
 
 
-def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+def _all_keys(sections: dict[str, type]) -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
 
 
-def _unknown(key: str) -> ConfigError:
+def _unknown(key: str, sections: dict[str, type]) -> ConfigError:
     """Unknown-key error with a suggestion: the same name in another section, else a near match."""
-    keys = _all_keys()
+    keys = _all_keys(sections)
     leaf = key.rsplit(".", 1)[-1]
     close = [k for k in keys if k.rsplit(".", 1)[1] == leaf] or difflib.get_close_matches(
-        key, keys if "." in key else list(SECTIONS), n=1, cutoff=0.6
+        key, keys if "." in key else list(sections), n=1, cutoff=0.6
     )
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"config: unknown key {key!r}{hint}")
 
 
-def _check_keys(d: Any) -> dict[str, dict[str, Any]]:
+def _check_keys(d: Any, sections: dict[str, type]) -> dict[str, dict[str, Any]]:
     """Validate the two-level shape and the key names; returns a plain nested dict copy."""
     if not isinstance(d, Mapping):
         raise ConfigError(
@@ -123,27 +121,28 @@ def _check_keys(d: Any) -> dict[str, dict[str, Any]]:
         )
     out: dict[str, dict[str, Any]] = {}
     for section, body in d.items():
-        if section not in SECTIONS:
-            raise _unknown(str(section))
+        if section not in sections:
+            raise _unknown(str(section), sections)
         if body is None:  # a section whose keys are all commented out
             body = {}
         if not isinstance(body, Mapping):
             raise ConfigError(
                 f"config: {section} must be a mapping of keys, got {show_value(body)}"
             )
-        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        names = {f.name for f in dataclasses.fields(sections[section])}
         for key in body:
             if key not in names:
-                raise _unknown(f"{section}.{key}")
+                raise _unknown(f"{section}.{key}", sections)
         out[section] = dict(body)
     return out
 
 
-def config_from_dict(d: Mapping[str, Any]) -> Config:
-    """Build and validate a Config from nested mappings; missing keys take their defaults."""
-    checked = _check_keys(d)
-    sections = {name: cls(**checked.get(name, {})) for name, cls in SECTIONS.items()}
-    return Config(**sections)
+def config_from_dict(d: Mapping[str, Any], family: str | None = None) -> Config:
+    """Build and validate a Config of model ``family`` (default: the default family) from
+    nested mappings; missing keys take their defaults."""
+    classes = sections_for(family)
+    checked = _check_keys(d, classes)
+    return Config(**{name: cls(**checked.get(name, {})) for name, cls in classes.items()})
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -151,7 +150,9 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
-def _merge(d: dict[str, dict[str, Any]], overrides: Iterable[str]) -> dict[str, dict[str, Any]]:
+def _merge(
+    d: dict[str, dict[str, Any]], overrides: Iterable[str], sections: dict[str, type]
+) -> dict[str, dict[str, Any]]:
     if isinstance(overrides, str):  # a lone string would otherwise be iterated per character
         overrides = [overrides]
     for arg in overrides:
@@ -160,24 +161,27 @@ def _merge(d: dict[str, dict[str, Any]], overrides: Iterable[str]) -> dict[str, 
         if not sep or not key:
             raise ConfigError(f"config: override {arg!r} must look like section.key=value")
         section, dot, name = key.partition(".")
-        if section not in SECTIONS:
-            raise _unknown(key)
+        if section not in sections:
+            raise _unknown(key, sections)
         if not dot:
-            example = f"{section}.{dataclasses.fields(SECTIONS[section])[0].name}"
+            example = f"{section}.{dataclasses.fields(sections[section])[0].name}"
             raise ConfigError(f"config: override {arg!r} must name a key, e.g. {example}=...")
-        if name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
-            raise _unknown(key)
+        if name not in {f.name for f in dataclasses.fields(sections[section])}:
+            raise _unknown(key, sections)
         d.setdefault(section, {})[name] = parse_yaml(raw, f"override {arg!r}")
     return d
 
 
 def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """A new Config with dotted ``section.key=value`` overrides applied (values parsed as YAML)."""
-    return config_from_dict(_merge(config_to_dict(cfg), overrides))
+    sections = sections_for(cfg.family)
+    return config_from_dict(_merge(config_to_dict(cfg), overrides, sections), cfg.family)
 
 
-def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
-    """Read a YAML config, apply overrides, validate; every problem is a one-line ConfigError."""
+def load_config(path: str, overrides: Iterable[str] = (), family: str | None = None) -> Config:
+    """Read a YAML config for model ``family`` (default: the default family; its ``model``
+    section is the family's), apply overrides, validate; every problem is a one-line
+    ConfigError."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -191,7 +195,8 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> Config:
         raise ConfigError(
             f"config: {path!r} must hold a mapping of sections, got {show_value(raw)}"
         )
-    return config_from_dict(_merge(_check_keys(raw), overrides))
+    sections = sections_for(family)
+    return config_from_dict(_merge(_check_keys(raw, sections), overrides, sections), family)
 
 
 def _type_name(cls: type, name: str) -> str:
@@ -200,8 +205,9 @@ def _type_name(cls: type, name: str) -> str:
     return text + (" \\| null" if spec.optional else "")
 
 
-def config_reference_markdown() -> str:
-    """The key reference for docs/CONFIG.md, generated from the schema so it cannot drift."""
+def config_reference_markdown(family: str | None = None) -> str:
+    """The key reference for docs/CONFIG.md (the sections of a ``family`` run, default: the
+    default family), generated from the schema so it cannot drift."""
     lines = [
         "# Configuration reference",
         "",
@@ -213,7 +219,7 @@ def config_reference_markdown() -> str:
         "(the value is parsed as YAML: `true`, `3`, `1e-3`, `null`).",
         "",
     ]
-    for section, cls in SECTIONS.items():
+    for section, cls in sections_for(family).items():
         lines += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             limits = [
@@ -259,22 +265,26 @@ _RULES = [
 
 
 def _main(argv: list[str]) -> int:
-    """``--reference``: print the key reference; ``[--world-size N] FILE [k=v ...]``: validate
-    (with N, also the parallel layout and batch split for N ranks), print the resolved config."""
+    """``[--family NAME] --reference``: print the key reference; ``[--family NAME]
+    [--world-size N] FILE [k=v ...]``: validate (with N, also the parallel layout and batch
+    split for N ranks), print the resolved config. The family defaults to the default one."""
+    family = None
+    if argv[:1] == ["--family"] and len(argv) > 1:
+        family, argv = argv[1], argv[2:]
     if argv == ["--reference"]:
-        sys.stdout.write(config_reference_markdown())
+        sys.stdout.write(config_reference_markdown(family))
         return 0
     world_size = None
     if argv[:1] == ["--world-size"] and len(argv) > 1 and argv[1].isdigit():
         world_size, argv = int(argv[1]), argv[2:]
     if not argv or argv[0].startswith("-"):
         print(
-            "usage: python -m training.config --reference | "
-            "[--world-size N] CONFIG.yaml [key=value ...]"
+            "usage: python -m training.config [--family NAME] --reference | "
+            "[--family NAME] [--world-size N] CONFIG.yaml [key=value ...]"
         )
         return 2
     try:
-        cfg = load_config(argv[0], argv[1:])
+        cfg = load_config(argv[0], argv[1:], family)
         if world_size is not None:
             from training.layout import check_layout  # imports torch: only when asked
 

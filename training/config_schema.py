@@ -15,22 +15,19 @@ Loading, overrides and the generated reference live in ``training/config.py``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 import os
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, pad_vocab_size
-from models.transformer import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, RECOMPUTE
-from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
+from families import DEFAULT_FAMILY, get_family
+from families.config_fields import ConfigError, Section, field_spec, show_value
+from families.config_fields import Section as _Section
+from families.config_fields import doc_field as _f
 
 __all__ = [
     "ConfigError",
-    "ModelConfig",
     "DataConfig",
     "TrainingConfig",
     "OptimizerConfig",
@@ -40,216 +37,14 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "SECTIONS",
+    "sections_for",
     "PRECISION_LEVELS",
     "field_spec",
     "show_value",
 ]
 
-# The model section's defaults and choices come from the model's own config (one source).
-_GPT = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-
 PrecisionLevel = Literal["fp32", "bf16", "fp16", "te", "O1", "O2", "O3"]
 PRECISION_LEVELS: tuple[str, ...] = typing.get_args(PrecisionLevel)
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message is one line, starts with 'config:' and names the key.
-
-    The entry point prints it (no traceback) and exits with status 2.
-    """
-
-
-def _f(default: Any, doc: str, **limits: float) -> Any:
-    """A field with documentation and optional numeric limits (ge, gt, le, lt)."""
-    return field(default=default, metadata={"doc": doc, **limits})
-
-
-def show_value(value: Any) -> str:
-    """Render a value the way the YAML user wrote it: null/true/false, strings quoted."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = repr(value)
-    # Messages must stay one short line even when someone passes a whole mapping.
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """What a field accepts, decoded from its annotation (used by validation and the docs)."""
-
-    kind: type  # int, float, bool or str
-    optional: bool
-    choices: tuple[str, ...] | None
-
-
-@functools.cache
-def field_spec(cls: type, name: str) -> FieldSpec:
-    hint = typing.get_type_hints(cls)[name]
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional, hint = True, args[0]
-    if typing.get_origin(hint) is Literal:
-        return FieldSpec(str, optional, typing.get_args(hint))
-    return FieldSpec(hint, optional, None)
-
-
-_KIND_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
-_LIMITS = {
-    "ge": (operator.ge, ">="),
-    "gt": (operator.gt, ">"),
-    "le": (operator.le, "<="),
-    "lt": (operator.lt, "<"),
-}
-
-
-class _Section:
-    """Shared validation for the section dataclasses (field types, enums, numeric limits)."""
-
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = _check_field(self, f, getattr(self, f.name))
-            # Frozen: normalise ints given for float fields so the round trip is type-exact.
-            object.__setattr__(self, f.name, value)
-        self._check()
-
-    def _check(self) -> None:
-        """Cross-field checks inside the section; overridden where needed."""
-
-    def _err(self, msg: str) -> ConfigError:
-        return ConfigError(f"config: {msg}")
-
-    def _key(self, name: str) -> str:
-        return f"{self.SECTION}.{name}"
-
-
-def _check_field(section: _Section, f: dataclasses.Field, value: Any) -> Any:
-    key = section._key(f.name)
-    spec = field_spec(type(section), f.name)
-    if value is None and spec.optional:
-        return None
-    if spec.kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = float(value)
-        if not math.isfinite(value):
-            raise section._err(f"{key} must be a finite number, got {show_value(value)}")
-    # Strict: bool is an int subclass and 3.0 is not an int; neither is accepted for int fields.
-    elif type(value) is not spec.kind:
-        words = _KIND_WORDS[spec.kind] + (" or null" if spec.optional else "")
-        raise section._err(f"{key} must be {words}, got {show_value(value)}")
-    if spec.choices is not None and value not in spec.choices:
-        hint = [c for c in spec.choices if c.lower() == value.lower()]
-        suffix = f" (did you mean '{hint[0]}'?)" if hint else ""
-        choices = ", ".join(spec.choices)
-        raise section._err(f"{key} must be one of {choices}, got {show_value(value)}{suffix}")
-    if value == "":
-        raise section._err(f"{key} must be a non-empty string")
-    for name, bound in f.metadata.items():
-        if name in _LIMITS and not _LIMITS[name][0](value, bound):
-            raise section._err(f"{key} must be {_LIMITS[name][1]} {bound:g}, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class ModelConfig(_Section):
-    SECTION: ClassVar[str] = "model"
-
-    num_layers: int = _f(4, "Transformer layers.", ge=1)
-    hidden_size: int = _f(256, "Model width h.", ge=1)
-    num_attention_heads: int = _f(4, "Query heads.", ge=1)
-    num_query_groups: int | None = _f(
-        _GPT["num_query_groups"],
-        "Key/value heads; null = one per query head (MHA), fewer = GQA.",
-        ge=1,
-    )
-    kv_channels: int | None = _f(
-        _GPT["kv_channels"], "Per-head width; null = hidden_size / heads.", ge=1
-    )
-    ffn_hidden_size: int | None = _f(
-        _GPT["ffn_hidden_size"],
-        "MLP width; null = 4*hidden (gelu) or int(8/3*hidden) rounded up to a multiple of 64 "
-        "(swiglu, which keeps the parameter count of a 4*hidden gelu MLP).",
-        ge=1,
-    )
-    seq_length: int = _f(256, "Tokens per training sample.", ge=1)
-    max_position_embeddings: int | None = _f(
-        _GPT["max_position_embeddings"], "Positions the model supports; null = seq_length.", ge=1
-    )
-    position_embedding_type: Literal[POSITION_EMBEDDING_TYPES] = _f(
-        _GPT["position_embedding_type"], "learned_absolute (GPT-2/3) or rope (rotary, Llama)."
-    )
-    rotary_base: float = _f(_GPT["rotary_base"], "RoPE theta (only with rope).", gt=0)
-    normalization: Literal[NORMALIZATIONS] = _f(_GPT["normalization"], "Norm layer type.")
-    norm_epsilon: float = _f(_GPT["norm_epsilon"], "Epsilon of the norm layers.", gt=0)
-    activation: Literal[ACTIVATIONS] = _f(
-        _GPT["activation"],
-        "MLP activation: gelu (tanh approximation, GPT-2), gelu_exact (erf, BERT/RoBERTa) or "
-        "swiglu (Llama).",
-    )
-    norm_position: Literal[NORM_POSITIONS] = _f(
-        _GPT["norm_position"],
-        "pre: norm before attention and MLP (GPT, Megatron's BERT); post: after each residual "
-        "add (BERT/RoBERTa, as Hugging Face checkpoints need).",
-    )
-    add_bias_linear: bool = _f(
-        _GPT["add_bias_linear"], "Biases in the linear layers (false for Llama)."
-    )
-    untie_embeddings_and_output_weights: bool = _f(
-        _GPT["untie_embeddings_and_output_weights"],
-        "Separate output head instead of reusing the input embedding.",
-    )
-    hidden_dropout: float = _f(_GPT["hidden_dropout"], "Dropout after attention/MLP.", ge=0, lt=1)
-    attention_dropout: float = _f(
-        _GPT["attention_dropout"], "Dropout on attention probabilities.", ge=0, lt=1
-    )
-    init_method_std: float = _f(
-        _GPT["init_method_std"], "Std of the normal weight initialisation.", gt=0
-    )
-    recompute: Literal[RECOMPUTE] = _f(
-        _GPT["recompute"],
-        "Activation recompute: none; full (keep each layer's input, rerun the layer in "
-        "backward: least memory, ~1/3 more compute); selective (rerun only the attention core, "
-        "whose s*s probabilities dominate activation memory at long sequences). Losses and "
-        "gradients are bit-identical to none, FP8 scales included.",
-    )
-    make_vocab_size_divisible_by: int = _f(
-        128,
-        "Pad the vocabulary to a multiple of this (times parallel.tensor, as in Megatron).",
-        ge=1,
-    )
-
-    def _check(self) -> None:
-        # The model's own config holds the cross-key rules (one place): build it and report
-        # its first complaint in the config's words.
-        self.resolved()
-
-    def resolved(self, vocab_size: int = 1) -> GPTConfig:
-        """The concrete model shape (nulls resolved) for a padded vocabulary of
-        ``vocab_size``; a ``ConfigError`` naming the key when the combination is impossible."""
-        try:
-            return GPTConfig.from_model_section(self, vocab_size)
-        except ValueError as err:
-            raise self._err(str(err)) from None
-
-    # Resolved values: the fields keep null (so the stored config says "default"), these give
-    # the concrete numbers every consumer must use (computed by the model config).
-    def query_groups(self) -> int:
-        return self.resolved().num_query_groups
-
-    def kv_channels_or_default(self) -> int:
-        return self.resolved().kv_channels
-
-    def ffn_size(self) -> int:
-        return self.resolved().ffn_hidden_size
-
-    def max_positions(self) -> int:
-        return self.resolved().max_position_embeddings
-
-    def padded_vocab_size(self, vocab_size: int, tensor: int = 1) -> int:
-        return pad_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor)
 
 
 @dataclass(frozen=True)
@@ -461,7 +256,7 @@ class CheckpointConfig(_Section):
 class Config:
     """The whole run configuration; sections mirror the YAML file."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Section = field(default_factory=lambda: _model_section(None)())
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -471,24 +266,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        sections = sections_for(self.family)
         for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                raise ConfigError(f"config: {f.name} must be a {SECTIONS[f.name].__name__}")
-        m, p = self.model, self.parallel
-        # Each tensor-parallel rank owns whole heads, whole KV groups and an equal MLP slice.
-        for key, value in (
-            ("model.num_attention_heads", m.num_attention_heads),
-            ("model.num_query_groups", m.query_groups()),
-            ("model.ffn_hidden_size", m.ffn_size()),
-        ):
-            if value % p.tensor:
-                raise ConfigError(
-                    f"config: {key} ({value}) must be divisible by parallel.tensor ({p.tensor})"
-                )
-        try:  # the pipeline split's one rule lives in PipelineLayout
-            PipelineLayout(m.num_layers, p.pipeline, p.virtual_pipeline or 1)
-        except PipelineLayoutError as err:
-            raise ConfigError(f"config: {err}") from None
+            if not isinstance(getattr(self, f.name), sections[f.name]):
+                raise ConfigError(f"config: {f.name} must be a {sections[f.name].__name__}")
+        self.model.check_parallel(self.parallel)  # the family's split rules
 
         # megatron-core's scheduler asserts this; say it in the config's own words instead.
         decay = self.resolved_lr_decay_iters()
@@ -499,6 +281,11 @@ class Config:
                 "training.train_iters)"
             )
 
+    @property
+    def family(self) -> str:
+        """The model family this config trains: its ``model`` section's."""
+        return self.model.FAMILY
+
     def resolved_checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.logging.dir, "checkpoints")
 
@@ -506,8 +293,21 @@ class Config:
         return self.optimizer.lr_decay_iters or self.training.train_iters
 
 
+def _model_section(family: str | None) -> type:
+    try:
+        return get_family(family or DEFAULT_FAMILY).model_section
+    except ValueError as err:  # an unknown family name
+        raise ConfigError(f"config: {err}") from None
+
+
+def sections_for(family: str | None = None) -> dict[str, type]:
+    """Section name -> class for a run of model ``family`` (default: the default family):
+    the ``model`` section is the family's own."""
+    return {"model": _model_section(family), **SECTIONS}
+
+
+# The sections every family shares (``sections_for`` adds the family's ``model``).
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
     "data": DataConfig,
     "training": TrainingConfig,
     "optimizer": OptimizerConfig,

@@ -28,7 +28,7 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
 
     rank = os.environ.get("RANK", "0")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, family)
         from training.loop import pretrain
 
         pretrain(cfg, family=family)

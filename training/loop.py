@@ -288,9 +288,15 @@ def _peak(state: RunState) -> tuple[float, str]:
     return measure_cpu_peak_tflops(), f"measured fp32 matmul rate of {name}"
 
 
-def pretrain(cfg: Config, family: str = "gpt") -> dict:
-    """Train model family ``family`` per ``cfg``; returns a summary (last logged losses,
-    iterations run, ...)."""
+def pretrain(cfg: Config, family: str | None = None) -> dict:
+    """Train per ``cfg`` (its model family is its ``model`` section's; ``family``, when
+    given, must agree); returns a summary (last logged losses, iterations run, ...)."""
+    if family is not None and family != cfg.family:
+        raise ConfigError(
+            f"config: the model section is a {cfg.family!r} one, this run trains {family!r} "
+            f"(load the config with family={family!r})"
+        )
+    family = cfg.family
     resume_from = _find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend = None
@@ -303,7 +309,7 @@ def pretrain(cfg: Config, family: str = "gpt") -> dict:
                 f"run trains {family!r}"
             )
         saved_backend = saved.get("fp8_gemm_backend")
-    state = build_run(cfg, gemm_backend=saved_backend, family=family)
+    state = build_run(cfg, gemm_backend=saved_backend)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging
     # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.

@@ -106,11 +106,11 @@ def _agree_gemm_backend(choice: str, device: torch.device) -> str:
     return picked
 
 
-def build_run(cfg: Config, gemm_backend: str | None = None, family: str = "gpt") -> RunState:
-    """Everything but resume, for model family ``family``. ``gemm_backend`` forces the FP8
-    GEMM backend (a resumed run reuses the one its checkpoint used, so the loss sequence stays
-    bit-identical)."""
-    fam = get_family(family)
+def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
+    """Everything but resume, for the model family of ``cfg`` (its ``model`` section's).
+    ``gemm_backend`` forces the FP8 GEMM backend (a resumed run reuses the one its checkpoint
+    used, so the loss sequence stays bit-identical)."""
+    fam = get_family(cfg.family)
     recipe = get_recipe(cfg.precision.level)
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
