@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-CONFIG ?= configs/gpt_tiny.yaml
+MODEL ?= gpt
+CONFIG ?= configs/$(MODEL)_tiny.yaml
 
 .PHONY: venv train test lint bench clean
 
@@ -21,8 +22,8 @@ $(STAMP): requirements.txt
 # The config and its layout on NPROC ranks are checked before torchrun starts, so a mistake
 # costs one line, not a traceback per rank.
 train: venv
-	$(BIN)/python -m training.config --world-size $(NPROC) $(CONFIG) $(ARGS) > /dev/null
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) pretrain_gpt.py --config $(CONFIG) $(ARGS)
+	$(BIN)/python -m training.config --family $(MODEL) --world-size $(NPROC) $(CONFIG) $(ARGS) > /dev/null
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q tests

@@ -32,9 +32,9 @@ from data.corpus import corpus_fingerprint, iter_texts, stdlib_documents, stdlib
 from data.indexed import check_prefix, dataset_prefix, read_index_stats, write_indexed_dataset
 from data.tokenizer import (
     DEFAULT_MAX_SENTENCES,
-    TRAINER_OPTIONS,
     SentencePieceTokenizer,
     train_sentencepiece,
+    trainer_options,
 )
 
 __all__ = [
@@ -72,6 +72,7 @@ def cache_key(
     seed: int,
     name: str,
     max_sentences: int = DEFAULT_MAX_SENTENCES,
+    control_symbols: Sequence[str] = (),
 ) -> str:
     """Hex key of every input that changes the built files."""
     payload = json.dumps(
@@ -82,7 +83,7 @@ def cache_key(
             "vocab_size": int(vocab_size),
             "seed": int(seed),
             "max_sentences": int(max_sentences),
-            "trainer_options": TRAINER_OPTIONS,
+            "trainer_options": trainer_options(control_symbols),
         },
         sort_keys=True,
     )
@@ -109,11 +110,18 @@ def _fsync_files(directory: Path) -> None:
 
 
 def _build(
-    tmp: Path, documents: Sequence[Path], vocab_size: int, seed: int, name: str, max_sentences: int
+    tmp: Path,
+    documents: Sequence[Path],
+    vocab_size: int,
+    seed: int,
+    name: str,
+    max_sentences: int,
+    control_symbols: Sequence[str] = (),
 ) -> dict[str, object]:
     model = train_sentencepiece(
-        documents, tmp / "tokenizer", vocab_size, seed=seed, max_sentences=max_sentences
-    )
+        documents, tmp / "tokenizer", vocab_size, seed=seed, max_sentences=max_sentences,
+        control_symbols=control_symbols,
+    )  # fmt: skip
     tokenizer = SentencePieceTokenizer(model)
 
     def encoded():
@@ -147,6 +155,7 @@ def prepare_corpus_data(
     root: str | os.PathLike[str] | None = None,
     name: str = "corpus",
     max_sentences: int = DEFAULT_MAX_SENTENCES,
+    control_symbols: Sequence[str] = (),
 ) -> PreparedData:
     """Train a tokenizer on ``documents`` and write them as ``{name}_text_document``; cached.
 
@@ -156,7 +165,9 @@ def prepare_corpus_data(
     paths = [Path(p) for p in documents]
     if not paths:
         raise ValueError("no documents to prepare")
-    key = cache_key(corpus_fingerprint(paths, root), vocab_size, seed, name, max_sentences)
+    key = cache_key(
+        corpus_fingerprint(paths, root), vocab_size, seed, name, max_sentences, control_symbols
+    )
     base = Path(cache_dir)
     final_dir = base / key
     cached = _load_cached(final_dir)
@@ -166,7 +177,7 @@ def prepare_corpus_data(
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
     try:
-        fields = _build(tmp, paths, vocab_size, seed, name, max_sentences)
+        fields = _build(tmp, paths, vocab_size, seed, name, max_sentences, control_symbols)
         (tmp / _META).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
         _fsync_files(tmp)
@@ -193,13 +204,18 @@ def prepare_corpus_data(
 
 
 def prepare_default_data(
-    cache_dir: str | os.PathLike[str], vocab_size: int, seed: int = 1234
+    cache_dir: str | os.PathLike[str],
+    vocab_size: int,
+    seed: int = 1234,
+    control_symbols: Sequence[str] = (),
 ) -> PreparedData:
-    """The Python stdlib corpus (data/corpus.py) tokenised with a freshly trained BPE model."""
+    """The Python stdlib corpus (data/corpus.py) tokenised with a freshly trained BPE model
+    (``control_symbols``: extra special pieces, e.g. ``("<mask>",)``; a separate cache)."""
     root = stdlib_root()
     return prepare_corpus_data(
-        cache_dir, stdlib_documents(root), vocab_size, seed, root=root, name="stdlib"
-    )
+        cache_dir, stdlib_documents(root), vocab_size, seed, root=root, name="stdlib",
+        control_symbols=control_symbols,
+    )  # fmt: skip
 
 
 def prepare_data_from_prefix(

@@ -89,17 +89,28 @@ def _sample_lines(lines: Iterable[str], max_sentences: int, seed: int) -> list[s
     return [line for _, line in reservoir]
 
 
+def trainer_options(control_symbols: Sequence[str] = ()) -> dict[str, object]:
+    """``TRAINER_OPTIONS``, plus ``control_symbols`` (e.g. ``["<mask>"]`` for masked-LM
+    models: ids right after ``<pad>``, never produced by encoding text, so a literal
+    ``<mask>`` in the corpus stays ordinary text)."""
+    if not control_symbols:
+        return dict(TRAINER_OPTIONS)
+    return {**TRAINER_OPTIONS, "control_symbols": list(control_symbols)}
+
+
 def train_sentencepiece(
     paths_or_texts: Iterable[str | os.PathLike[str]],
     model_prefix: str | os.PathLike[str],
     vocab_size: int,
     seed: int = 1234,
     max_sentences: int = DEFAULT_MAX_SENTENCES,
+    control_symbols: Sequence[str] = (),
 ) -> Path:
     """Train a BPE SentencePiece model and write ``{model_prefix}.model``; returns that path.
 
     ``paths_or_texts``: ``pathlib.Path`` (or any ``os.PathLike``) items are read as UTF-8 files;
     plain ``str`` items are the text itself. Blank lines are not used for training.
+    ``control_symbols``: extra special pieces (see ``trainer_options``).
     """
     if vocab_size < 300:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte fallback alone needs 261")
@@ -115,7 +126,7 @@ def train_sentencepiece(
             sentence_iterator=iter(sentences),
             model_writer=proto,
             vocab_size=vocab_size,
-            **TRAINER_OPTIONS,
+            **trainer_options(control_symbols),
         )
     except RuntimeError as err:  # e.g. vocab smaller than the characters the text needs
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -172,6 +183,12 @@ class SentencePieceTokenizer:
     @property
     def unk(self) -> int:
         return int(self._sp.unk_id())
+
+    @property
+    def mask(self) -> int:
+        """The ``<mask>`` control symbol's id, or -1 when the model has none."""
+        i = int(self._sp.piece_to_id("<mask>"))
+        return i if self._sp.id_to_piece(i) == "<mask>" and self._sp.is_control(i) else -1
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))

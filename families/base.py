@@ -145,7 +145,8 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
 
 
 def _builtin() -> None:
-    import families.gpt  # noqa: F401  (registers itself)
+    import families.gpt  # noqa: F401  (each registers itself)
+    import families.roberta  # noqa: F401
 
 
 def get_family(name: str) -> ModelFamily:

@@ -1,10 +1,20 @@
-"""The RoBERTa family: so far its model config and Hugging Face state-dict adapter.
+"""The RoBERTa family: masked-LM pretraining of ``models.roberta.RobertaModel``, and its
+Hugging Face state-dict adapter.
+
+Data: the default corpus (the stdlib sources) with a SentencePiece vocabulary that has a
+``<mask>`` control symbol (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``<pad>`` 3, ``<mask>`` 4), or a
+Megatron prefix whose tokenizer has one; samples from ``data.mlm_data`` (full sentences packed
+across documents, dynamic 80/10/10 masking per sample index). Loss: the token cross entropy
+over the chosen positions (``lm loss``) and the share of them predicted right
+(``mlm accuracy``). FLOPs: the encoder blocks with bidirectional attention (every score
+counts) plus the masked-LM head (``h x h`` dense and the ``h x V`` decoder) at every position:
+``6 B s [L (h(q+2kv) + 2 q s + q h + 2 h f) + h^2 + h V]``. The binary (sentence-order) head
+needs sentence-pair data, which is not built yet: ``model.add_binary_head=true`` is refused.
 
 ``RobertaForMaskedLM`` checkpoints (``config.json`` + ``model.safetensors``) map onto
 ``models.roberta.RobertaModel``'s single-process names, in both directions. Files are read
 and written by their safetensors key names (``roberta.encoder.layer.0.attention.self.query.
-weight``, ...), which transformers keeps on disk. Masked-LM data and training (the family's
-``ModelFamily`` methods) are not built yet: ``pretrain_roberta.py`` does not exist.
+weight``, ...), which transformers keeps on disk.
 
 Layout facts the adapter handles: Hugging Face keeps Q, K and V apart, this project fuses them
 per head (``[q_0, k_0, v_0, q_1, ...]``, models/transformer.py); Hugging Face's vocabulary is
@@ -15,12 +25,191 @@ with zeros on import and dropped on export; ``hidden_act="gelu"`` is the exact e
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
 
 import torch
 
-from models.roberta import RobertaConfig
+from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
+from data.prepare import prepare_data_from_prefix, prepare_default_data
+from data.tokenizer import SentencePieceTokenizer
+from families.base import LossSums, ModelFamily, register_family
+from families.config_fields import doc_field
+from families.sections import TransformerSection
+from models.gpt import pad_vocab_size
+from models.roberta import RobertaConfig, RobertaModel
+from models.transformer import ACTIVATIONS, NORM_POSITIONS
 
-__all__ = ["config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf"]
+__all__ = [
+    "RobertaData",
+    "RobertaFamily",
+    "RobertaModelSection",
+    "config_from_hf",
+    "config_to_hf",
+    "state_from_hf",
+    "state_to_hf",
+]
+
+_R = {f.name: f.default for f in fields(RobertaConfig)}
+
+
+@dataclass(frozen=True)
+class RobertaModelSection(TransformerSection):
+    """The ``model`` section of a RoBERTa run: the blocks' keys (post-LN and exact GELU by
+    default, as RoBERTa), positions, the binary head and the masked-LM data's probabilities."""
+
+    FAMILY: ClassVar[str] = "roberta"
+
+    activation: Literal[ACTIVATIONS] = doc_field(
+        _R["activation"],
+        "MLP activation: gelu_exact (erf, BERT/RoBERTa), gelu (tanh approximation) or swiglu.",
+    )
+    norm_position: Literal[NORM_POSITIONS] = doc_field(
+        _R["norm_position"],
+        "post: norm after each residual add (BERT/RoBERTa, as Hugging Face checkpoints need); "
+        "pre: before attention and MLP (Megatron's BertModel).",
+    )
+    max_position_embeddings: int | None = doc_field(
+        _R["max_position_embeddings"],
+        "Position table size; null = seq_length + padding id + 1 (RoBERTa numbers positions "
+        "after the padding id).",
+        ge=1,
+    )
+    add_binary_head: bool = doc_field(
+        False, "Binary (sentence-order) head; needs sentence-pair data, not built yet."
+    )
+    mask_prob: float = doc_field(0.15, "Share of the tokens chosen for prediction.", gt=0, lt=1)
+    mask_replace_prob: float = doc_field(
+        0.8, "Of the chosen tokens, the share replaced by <mask>.", ge=0, le=1
+    )
+    random_replace_prob: float = doc_field(
+        0.1, "Of the chosen tokens, the share replaced by a random token (the rest are kept).",
+        ge=0, le=1,
+    )  # fmt: skip
+
+    def _check(self) -> None:
+        super()._check()
+        if self.add_binary_head:
+            raise self._err(
+                "model.add_binary_head=true: the sentence-order data it trains on is not built "
+                "yet (the model's binary head exists)"
+            )
+        if self.mask_replace_prob + self.random_replace_prob > 1:
+            raise self._err(
+                f"model.mask_replace_prob ({self.mask_replace_prob:g}) + "
+                f"model.random_replace_prob ({self.random_replace_prob:g}) must be <= 1"
+            )
+
+    def build_config(self, vocab_size: int = 1, padding_idx: int = 1) -> RobertaConfig:
+        return RobertaConfig.from_model_section(
+            self, vocab_size=vocab_size, padding_idx=padding_idx,
+            type_vocab_size=2 if self.add_binary_head else 1,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RobertaData:
+    tokenizer: SentencePieceTokenizer
+    data_prefix: str
+
+    def special(self) -> MLMSpecialTokens:
+        t = self.tokenizer
+        return MLMSpecialTokens(
+            bos=t.bos, eos=t.eod, pad=t.pad, mask=t.mask, vocab_size=t.vocab_size,
+            never_mask=frozenset({t.unk}),
+        )  # fmt: skip
+
+
+class RobertaFamily(ModelFamily):
+    name = "roberta"
+    model_section = RobertaModelSection
+    metric_names = ("lm loss", "mlm accuracy")
+    perplexity_metrics = ("lm loss",)
+
+    def prepare_data(self, cfg, rank: int) -> RobertaData:
+        d = cfg.data
+        if d.corpus == "stdlib":
+            prepared = prepare_default_data(
+                d.cache_dir, d.vocab_size, seed=cfg.training.seed, control_symbols=("<mask>",)
+            )
+            if rank == 0:
+                print(
+                    f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
+                    f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size}, "
+                    "with <mask>)",
+                    flush=True,
+                )
+        else:
+            try:
+                prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
+            except (FileNotFoundError, ValueError) as err:
+                key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
+                raise ValueError(f"{key}: {err}") from None
+        tokenizer = SentencePieceTokenizer(prepared.tokenizer_model)
+        for piece, token_id in (("<mask>", tokenizer.mask), ("<pad>", tokenizer.pad)):
+            if token_id < 0:
+                raise ValueError(
+                    f"data.tokenizer_model: {prepared.tokenizer_model} has no {piece} piece "
+                    "(masked-LM training needs <s>, </s>, <pad> and <mask>)"
+                )
+        return RobertaData(tokenizer, prepared.data_prefix)
+
+    def model_config(self, cfg, data: RobertaData, tensor_parallel: int) -> RobertaConfig:
+        vocab = pad_vocab_size(
+            data.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, tensor_parallel
+        )
+        return cfg.model.resolved(vocab_size=vocab, padding_idx=data.tokenizer.pad)
+
+    def build_model(self, config: RobertaConfig, ctx, pipeline) -> RobertaModel:
+        return RobertaModel(config, ctx, pipeline)
+
+    def build_datasets(self, cfg, data: RobertaData, train_samples: int, valid_samples: int):
+        m = cfg.model
+        return build_mlm_datasets(
+            data.data_prefix,
+            seq_length=m.seq_length,
+            seed=cfg.training.seed,
+            split=cfg.data.split,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            special=data.special(),
+            mask_prob=m.mask_prob,
+            random_prob=m.random_replace_prob,
+            keep_prob=1.0 - m.mask_replace_prob - m.random_replace_prob,
+        )
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            "tokens": batch["tokens"],
+            "attention_mask": batch["attention_mask"],
+            "token_types": batch["token_types"],
+            "labels": batch["labels"],
+        }
+
+    def loss(self, output: dict, batch: dict) -> tuple[torch.Tensor, LossSums]:
+        # output["lm"]: per-token cross entropy [b, s]; only the chosen positions count.
+        mask = batch["loss_mask"].float()
+        total, count = (output["lm"].float() * mask).sum(), mask.sum()
+        correct = (output["lm_correct"] * mask).sum()
+        sums = {"lm loss": (total, count), "mlm accuracy": (correct, count)}
+        return total / count.clamp(min=1), sums
+
+    def flops_per_step(self, config: RobertaConfig, global_batch_size: int) -> float:
+        b, s, h = global_batch_size, config.seq_length, config.hidden_size
+        head = 6.0 * b * s * (h * h + h * config.vocab_size)
+        return config.layer_flops_per_step(b, s, causal=False) + head
+
+    def checkpoint_structure(self, config: RobertaConfig, data: RobertaData | None = None) -> dict:
+        return {
+            "family": self.name,
+            "fused": config.fused_tensors(),
+            "vocab_size": data.tokenizer.vocab_size if data is not None else None,
+            "padded_vocab_size": config.vocab_size,
+            "vocab_tensors": ["word_embeddings.weight", "lm_bias.bias"],
+            "padding_idx": config.padding_idx,
+            "norm_position": config.norm_position,
+        }
+
 
 # Hugging Face key (layer index as {i}) -> this project's single-process name.
 _LAYER = {
@@ -172,3 +361,6 @@ def state_to_hf(
         elif module in inverse_layer:
             out[f"{prefix}.{inverse_layer[module]}.{kind}"] = value
     return {k: v.contiguous() for k, v in out.items()}
+
+
+register_family(RobertaFamily())

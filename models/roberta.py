@@ -40,6 +40,7 @@ from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
 from models.transformer import TransformerConfig, TransformerLayer
 from parallel.tensor_parallel.cross_entropy import (
+    vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
     vocab_parallel_logits,
 )
@@ -58,6 +59,8 @@ class RobertaConfig(TransformerConfig):
 
     seq_length: int
     vocab_size: int
+    norm_position: str = "post"  # BERT/RoBERTa; "pre" is Megatron's BertModel
+    activation: str = "gelu_exact"
     max_position_embeddings: int | None = None  # None -> seq_length + padding_idx + 1
     padding_idx: int = 1
     type_vocab_size: int = 1  # RoBERTa: 1; 2 with the binary (sentence-order) head
@@ -89,7 +92,8 @@ class RobertaModel(ParallelModel):
     (1 = token, 0 = padding; default: ``tokens != padding_idx``), ``token_types``
     ``[b, s]``, ``labels`` ``[b, s]`` (-100 = not predicted). The last chunk returns
     ``{"lm": per-token MLM loss [b, s] (with labels) or logits [b, s, V] (without),
-    "binary": [b, 2] logits or None}``.
+    "lm_correct": [b, s] float, 1 where the argmax is the label (with labels), "binary":
+    [b, 2] logits or None}``.
 
     Names: ``word_embeddings``, ``position_embeddings``, ``token_type_embeddings``,
     ``embedding_norm`` (first stage); ``layers.{i}`` (global index); ``lm_dense``,
@@ -205,12 +209,15 @@ class RobertaModel(ParallelModel):
                 return {"lm": logits, "binary": binary}
             b, s = logits.shape[:2]
             loss = F.cross_entropy(logits.view(b * s, -1), labels.reshape(b * s), reduction="none")
-            return {"lm": loss.view(b, s), "binary": binary}
+            correct = (logits.detach().argmax(-1) == labels).float()
+            return {"lm": loss.view(b, s), "lm_correct": correct, "binary": binary}
         logits = vocab_parallel_logits(y, self.word_embeddings.weight, group)  # [b, s, V/tp]
         logits = self.lm_bias(logits).float()
         if labels is None:
             return {"lm": gather_from_region(logits, group, dim=-1), "binary": binary}
-        return {"lm": vocab_parallel_cross_entropy(logits, labels, group), "binary": binary}
+        correct = (vocab_parallel_argmax(logits.detach(), group) == labels).float()
+        loss = vocab_parallel_cross_entropy(logits, labels, group)
+        return {"lm": loss, "lm_correct": correct, "binary": binary}
 
     @property
     def _gelu(self) -> str:

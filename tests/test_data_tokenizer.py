@@ -121,3 +121,20 @@ def test_errors_are_clear(tmp_path):
         train_sentencepiece(["\n  \n"], tmp_path / "t", 1000)
     with pytest.raises(ValueError, match="sentencepiece training failed"):
         train_sentencepiece(["x = 1\n"], tmp_path / "t", 5000)
+
+
+def test_mask_control_symbol_for_masked_lm(tmp_path, tok):
+    """``control_symbols=("<mask>",)``: ``<mask>`` gets the id after ``<pad>`` and is never
+    produced from text (a literal "<mask>" in the corpus stays ordinary pieces); the GPT recipe
+    has no mask, and its data cache key is unchanged by the option's existence."""
+    from data.prepare import cache_key
+
+    mlm = SentencePieceTokenizer(
+        train_sentencepiece(
+            _small_corpus(), tmp_path / "mlm", VOCAB, seed=7, control_symbols=("<mask>",)
+        )
+    )
+    assert (mlm.unk, mlm.bos, mlm.eod, mlm.pad, mlm.mask) == (0, 1, 2, 3, 4)
+    assert tok.mask == -1
+    assert 4 not in mlm.encode("x = '<mask>'  # <mask>")
+    assert cache_key("c", 512, 7, "n") != cache_key("c", 512, 7, "n", control_symbols=("<mask>",))

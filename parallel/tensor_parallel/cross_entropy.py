@@ -32,7 +32,7 @@ from .mappings import (
     group_size,
 )
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_logits"]
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_logits"]
 
 
 def _all_reduce_(x: torch.Tensor, op, group, meter, group_name: str) -> None:
@@ -127,3 +127,21 @@ def vocab_parallel_logits(
     else:
         x = copy_to_region(x, group, meter=meter)
     return F.linear(x, weight)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
+    """The full-vocabulary argmax ``[...]`` (int64 ids) of vocab-sharded logits ``[..., V/W]``
+    (this rank's slice, in rank order), without gathering them: the largest value over the
+    group, then the smallest id holding it (ties resolve as on one rank). Two small
+    all-reduces; ``group=None``: a plain argmax."""
+    if group_size(group) == 1:
+        return logits.argmax(-1)
+    local_max, local_idx = logits.max(-1)
+    best = local_max.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    start = group_rank(group) * logits.shape[-1]
+    none = torch.iinfo(torch.int64).max
+    ids = torch.where(local_max == best, local_idx + start, torch.full_like(local_idx, none))
+    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
+    return ids
