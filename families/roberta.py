@@ -24,11 +24,14 @@ with zeros on import and dropped on export; ``hidden_act="gelu"`` is the exact e
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
 from data.prepare import prepare_data_from_prefix, prepare_default_data
@@ -41,6 +44,9 @@ from models.roberta import RobertaConfig, RobertaModel
 from models.transformer import ACTIVATIONS, NORM_POSITIONS
 
 __all__ = [
+    "export_checkpoint",
+    "load_hf",
+    "save_hf",
     "RobertaData",
     "RobertaFamily",
     "RobertaModelSection",
@@ -364,3 +370,42 @@ def state_to_hf(
 
 
 register_family(RobertaFamily())
+
+
+def save_hf(directory: str | Path, state: dict, config: RobertaConfig, vocab_size: int) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``RobertaForMaskedLM.from_pretrained``
+    loads, from this project's single-process parameters (FP32 values)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: v.detach().float().cpu() for k, v in state_to_hf(state, config, vocab_size).items()
+    }
+    (out / "config.json").write_text(json.dumps(config_to_hf(config, vocab_size), indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_hf(directory: str | Path, padded_vocab_size: int | None = None):
+    """``(RobertaConfig, parameters)`` from a Hugging Face ``RobertaForMaskedLM`` directory."""
+    path = Path(directory)
+    config = config_from_hf(json.loads((path / "config.json").read_text()), padded_vocab_size)
+    return config, state_from_hf(load_file(str(path / "model.safetensors")), config)
+
+
+def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
+    """A training checkpoint of this family (any parallel layout, any level) as a Hugging Face
+    ``RobertaForMaskedLM``: full tensors from the canonical format (dequantized), the model
+    config from the checkpoint's own config and ``model_structure``."""
+    from training.checkpoint_format import reassemble  # the format reader: no model code
+
+    meta = json.loads((Path(checkpoint) / "metadata.json").read_text())
+    structure = meta["model_structure"]
+    if structure.get("family") != "roberta":
+        raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not roberta")
+    section = RobertaModelSection(**meta["config"]["model"])
+    config = section.resolved(
+        vocab_size=structure["padded_vocab_size"], padding_idx=structure["padding_idx"]
+    )
+    tensors = reassemble(checkpoint)
+    params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
+    return save_hf(directory, params, config, structure["vocab_size"])

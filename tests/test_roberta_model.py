@@ -253,3 +253,31 @@ def test_tensor_parallel_loss_and_every_gradient_match_one_process(tp_results, l
     assert r["names"]
     assert r["loss"] < (1e-6 if level == "fp32" else 1e-3), r
     assert r["grads"] < TP_LEVELS[level], r
+
+
+def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
+    """A model of this project (random init, post-LN, exact GELU, padded vocabulary) saved as
+    Hugging Face files loads in transformers and gives the same logits on a padded batch."""
+    from families.roberta import load_hf, save_hf
+
+    torch.manual_seed(11)
+    config = _small(num_layers=2, max_position_embeddings=SEQ + 2, padding_idx=1)
+    ours = RobertaModel(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in ours.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    save_hf(tmp_path, dict(ours.named_parameters()), config, vocab_size=V)
+    hf = transformers.RobertaForMaskedLM.from_pretrained(tmp_path).eval()
+    tokens, mask = _tokens()
+    with torch.no_grad():
+        want = ours(tokens, attention_mask=mask)["lm"][..., :V]
+        got = hf(input_ids=tokens, attention_mask=mask).logits
+    assert (got - want).abs().max() <= 1e-4
+    # ... and back: the reloaded parameters are the exported ones (the vocabulary re-padded).
+    config_back, state = load_hf(tmp_path, padded_vocab_size=128)
+    assert config_back == config
+    params = dict(ours.named_parameters())
+    assert all(torch.equal(state[k], params[k].detach()) for k in state if k not in (
+        "word_embeddings.weight", "lm_bias.bias"))  # fmt: skip
+    assert torch.equal(state["word_embeddings.weight"][:V], params["word_embeddings.weight"][:V])
