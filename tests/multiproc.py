@@ -4,7 +4,8 @@
   worker gets ``(rank, world, port, *args)`` and writes its results to files the test reads
   back. A worker's exception fails the calling test with its traceback; ranks that overrun the
   deadline are killed (a hung collective on gloo would otherwise wait 30 minutes).
-- ``torchrun``: the real entry point under torchrun; asserts exit 0.
+- ``torchrun``: the real entry point (``entry``, default ``pretrain_gpt.py``) under torchrun;
+  asserts exit 0.
 - ``launch``: the entry point as W plain processes with torchrun's environment, so each rank's
   own exit code and output are seen (torchrun would add its own traceback).
 - ``full_tensors`` with ``grad_value`` / ``weight_value``: a model's gradients or weights under
@@ -83,17 +84,21 @@ def run_ranks(
             pytest.fail(f"world-size {world} ranks did not finish in {timeout} s")
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """``pretrain_gpt.py *args`` on ``nproc`` ranks under torchrun; asserts it exits 0."""
+def torchrun(
+    nproc: int, args: list[str], timeout: float = 300, *, entry: str = "pretrain_gpt.py"
+) -> subprocess.CompletedProcess:
+    """``{entry} *args`` on ``nproc`` ranks under torchrun; asserts it exits 0."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "pretrain_gpt.py", *args]
+    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), entry, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def launch(world: int, args: list[str], timeout: float = 120) -> list[tuple[int, str, str]]:
-    """``pretrain_gpt.py *args`` as ``world`` plain processes with torchrun's environment;
+def launch(
+    world: int, args: list[str], timeout: float = 120, *, entry: str = "pretrain_gpt.py"
+) -> list[tuple[int, str, str]]:
+    """``{entry} *args`` as ``world`` plain processes with torchrun's environment;
     ``(exit code, stdout, stderr)`` per rank."""
     port = free_port()
     procs = []
@@ -102,7 +107,7 @@ def launch(world: int, args: list[str], timeout: float = 120) -> list[tuple[int,
             os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
-        cmd = [sys.executable, "pretrain_gpt.py", *args]
+        cmd = [sys.executable, entry, *args]
         procs.append(
             subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

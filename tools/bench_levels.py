@@ -1,6 +1,7 @@
-"""Train the tiny GPT at several precision levels side by side and compare their losses.
+"""Train a tiny model at several precision levels side by side and compare their losses.
 
     .venv/bin/python tools/bench_levels.py --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
+    .venv/bin/python tools/bench_levels.py --model roberta --config configs/roberta_tiny.yaml ...
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
@@ -35,7 +36,9 @@ def _finished(metrics: Path, iters: int) -> bool:
     return bool(lines) and json.loads(lines[-1]).get("iteration") == iters
 
 
-def run_level(level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False):
+def run_level(
+    level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False, model="gpt"
+):
     run_dir = out / level
     cmd = [
         sys.executable,
@@ -44,7 +47,7 @@ def run_level(level, iters, nproc, config, out: Path, extra: list[str], reuse: b
         "--standalone",
         "--nproc_per_node",
         str(nproc),
-        "pretrain_gpt.py",
+        f"pretrain_{model}.py",
         "--config",
         config,
         f"precision.level={level}",
@@ -80,16 +83,17 @@ def run_level(level, iters, nproc, config, out: Path, extra: list[str], reuse: b
 def table(rows: list[dict], reference: str) -> str:
     ref = next(r for r in rows if r["level"] == reference)
     lines = [
-        f"| level | first logged loss | final train loss | final valid loss | valid vs {reference} "
-        f"| s/step | time vs {reference} | model-state bytes/param |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| level | first logged loss | final train loss | train vs {reference} | final valid loss "
+        f"| valid vs {reference} | s/step | time vs {reference} | model-state bytes/param |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = (r["valid"] - ref["valid"]) / ref["valid"] * 100
+        rel_train = (r["final"] - ref["final"]) / ref["final"] * 100
         lines.append(
-            f"| {r['level']} | {r['first']:.4f} | {r['final']:.4f} | {r['valid']:.4f} | "
-            f"{rel:+.2f}% | {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x | "
-            f"{r['bpp']:.1f} |"
+            f"| {r['level']} | {r['first']:.4f} | {r['final']:.4f} | {rel_train:+.2f}% | "
+            f"{r['valid']:.4f} | {rel:+.2f}% | {r['step_s']:.3f} | "
+            f"{r['step_s'] / ref['step_s']:.2f}x | {r['bpp']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -126,6 +130,7 @@ def main() -> None:
     parser.add_argument("--reference", default="bf16")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--model", default="gpt", help="model family: pretrain_<model>.py")
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     parser.add_argument("--out", default="runs/bench_levels")
     parser.add_argument("--write", help="markdown file to put the table into")
@@ -139,7 +144,16 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
     rows = [
-        run_level(lv, args.iters, args.nproc, args.config, REPO / args.out, args.overrides)
+        run_level(
+            lv,
+            args.iters,
+            args.nproc,
+            args.config,
+            REPO / args.out,
+            args.overrides,
+            args.reuse,
+            args.model,
+        )  # fmt: skip
         for lv in args.levels
     ]
     result = table(rows, args.reference)

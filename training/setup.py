@@ -55,17 +55,26 @@ class RunState:
 
 
 def prepare_data(family: ModelFamily, cfg: Config, rank: int):
-    """The family's data preparation: rank 0 first (it builds the caches), then the rest.
-    A ``ValueError`` from the family names a config key and becomes a ``ConfigError``."""
-    try:
-        if rank == 0:
+    """The family's data preparation: rank 0 first (it builds the caches), then the rest. A
+    ``ValueError`` from the family names a config key and becomes a ``ConfigError`` on every
+    rank: rank 0's verdict is broadcast, so no rank is left waiting for one that gave up."""
+    prepared, error = None, None
+    if rank == 0:
+        try:
             prepared = family.prepare_data(cfg, rank)
-        if dist.is_initialized():
-            dist.barrier()
-        if rank != 0:
+        except ValueError as err:
+            error = str(err)
+    if dist.is_initialized():  # also the barrier: the others start once rank 0 is done
+        box = [error]  # a string between this job's own processes
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is None and rank != 0:
+        try:
             prepared = family.prepare_data(cfg, rank)
-    except ValueError as err:
-        raise ConfigError(f"config: {err}") from None
+        except ValueError as err:
+            error = str(err)
+    if error is not None:
+        raise ConfigError(f"config: {error}")
     return prepared
 
 
