@@ -52,6 +52,7 @@ LAYOUTS = {
     "tp2_sp": (2, {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}),
     "pp2": (2, {"parallel.pipeline": 2}),
     "dp2": (2, {}),
+    "dp2_dist": (2, {"optimizer.distributed": "true"}),  # ZeRO-1: per-rank optimizer shards
 }
 PARALLEL = [name for name in LAYOUTS if name != "single"]
 
@@ -280,6 +281,10 @@ def test_layouts_ran_as_named(runs):
     assert {p.name for p in _checkpoint(runs["tp2_sp"]).iterdir()} >= {
         "model_tp0.safetensors",
         "model_tp1.safetensors",
+    }
+    assert {p.name for p in _checkpoint(runs["dp2_dist"]).iterdir()} >= {
+        "optimizer_dp0.safetensors",
+        "optimizer_dp1.safetensors",
     }
     for name in PARALLEL:
         assert _metadata(runs[name])["world_size"] == 2
