@@ -281,3 +281,34 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
     assert all(torch.equal(state[k], params[k].detach()) for k in state if k not in (
         "word_embeddings.weight", "lm_bias.bias"))  # fmt: skip
     assert torch.equal(state["word_embeddings.weight"][:V], params["word_embeddings.weight"][:V])
+
+
+def test_masked_lm_loss_and_every_gradient_match_hugging_face(tmp_path):
+    """Training, not only inference, follows transformers: the MLM loss over chosen positions
+    and every parameter's gradient (Q/K/V split back per head) equal RobertaForMaskedLM's
+    (same weights, no dropout, unpadded vocabulary so both softmaxes cover the same ids)."""
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=4 * H, max_position_embeddings=SEQ + 2, type_vocab_size=1,
+        layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    hf = transformers.RobertaForMaskedLM(config)
+    hf.save_pretrained(tmp_path)
+    ours, ours_config = _ours(tmp_path, padded_vocab=V)
+    ours.train()
+    hf.train()
+    tokens, mask = _tokens()
+    labels = torch.full_like(tokens, -100)
+    labels[:, 2:6] = tokens[:, 2:6]
+    loss = ours(tokens, attention_mask=mask, labels=labels)["lm"][labels.ne(-100)].mean()
+    loss.backward()
+    want = hf(input_ids=tokens, attention_mask=mask, labels=labels).loss
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
+    grads = state_from_hf({n: p.grad for n, p in hf.named_parameters()}, ours_config)
+    params = dict(ours.named_parameters())
+    assert set(grads) == set(params)
+    for name, g in grads.items():
+        err = (params[name].grad - g).norm() / g.norm().clamp(min=1e-12)
+        assert err < 1e-5, (name, err.item())
