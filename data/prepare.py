@@ -246,3 +246,27 @@ def prepare_data_from_prefix(
         num_documents=stats.num_documents,
         num_tokens=stats.num_tokens,
     )
+
+
+def prepare_text_data(data_cfg, seed: int, rank: int, control_symbols: Sequence[str] = ()):
+    """The ``data`` section's text corpus for a run: the default stdlib corpus (built and
+    cached; ``control_symbols`` extra special pieces, e.g. ``("<mask>",)``) or a user's
+    Megatron prefix with its tokenizer. Returns ``PreparedData``; a problem is a
+    ``ValueError`` whose message starts with the config key. Rank 0 reports the corpus."""
+    if data_cfg.corpus == "stdlib":
+        prepared = prepare_default_data(
+            data_cfg.cache_dir, data_cfg.vocab_size, seed=seed, control_symbols=control_symbols
+        )
+        if rank == 0:
+            extra = "".join(f", with {piece}" for piece in control_symbols)
+            print(
+                f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
+                f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size}{extra})",
+                flush=True,
+            )
+        return prepared
+    try:
+        return prepare_data_from_prefix(data_cfg.data_prefix, data_cfg.tokenizer_model)
+    except (FileNotFoundError, ValueError) as err:
+        key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
+        raise ValueError(f"{key}: {err}") from None

@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 import torch
 
 from data.gpt_data import build_gpt_datasets
-from data.prepare import prepare_data_from_prefix, prepare_default_data
+from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily, register_family
 from families.config_fields import doc_field
@@ -90,21 +90,7 @@ class GPTFamily(ModelFamily):
     perplexity_metrics = ("lm loss",)
 
     def prepare_data(self, cfg, rank: int) -> GPTData:
-        d = cfg.data
-        if d.corpus == "stdlib":
-            prepared = prepare_default_data(d.cache_dir, d.vocab_size, seed=cfg.training.seed)
-            if rank == 0:
-                print(
-                    f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
-                    f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size})",
-                    flush=True,
-                )
-        else:
-            try:
-                prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
-            except (FileNotFoundError, ValueError) as err:
-                key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
-                raise ValueError(f"{key}: {err}") from None
+        prepared = prepare_text_data(cfg.data, cfg.training.seed, rank)
         return GPTData(SentencePieceTokenizer(prepared.tokenizer_model), prepared.data_prefix)
 
     def model_config(self, cfg, data: GPTData, tensor_parallel: int) -> GPTConfig:

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
-from data.prepare import prepare_data_from_prefix, prepare_default_data
+from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily, register_family
 from families.config_fields import doc_field
@@ -133,24 +133,7 @@ class RobertaFamily(ModelFamily):
     perplexity_metrics = ("lm loss",)
 
     def prepare_data(self, cfg, rank: int) -> RobertaData:
-        d = cfg.data
-        if d.corpus == "stdlib":
-            prepared = prepare_default_data(
-                d.cache_dir, d.vocab_size, seed=cfg.training.seed, control_symbols=("<mask>",)
-            )
-            if rank == 0:
-                print(
-                    f"> data: default corpus {prepared.data_prefix} ({prepared.num_documents} "
-                    f"documents, {prepared.num_tokens} tokens, vocab {prepared.vocab_size}, "
-                    "with <mask>)",
-                    flush=True,
-                )
-        else:
-            try:
-                prepared = prepare_data_from_prefix(d.data_prefix, d.tokenizer_model)
-            except (FileNotFoundError, ValueError) as err:
-                key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
-                raise ValueError(f"{key}: {err}") from None
+        prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, ("<mask>",))
         tokenizer = SentencePieceTokenizer(prepared.tokenizer_model)
         for piece, token_id in (("<mask>", tokenizer.mask), ("<pad>", tokenizer.pad)):
             if token_id < 0:

@@ -14,7 +14,6 @@ Logits are returned, and the cross entropy computed, in float32 even when parame
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from models.context import BuildContext
 from models.transformer import (
     TransformerConfig,
     TransformerLayer,
+    init_parameter_,
     make_norm,
     rotary_cos_sin,
 )
@@ -165,21 +165,11 @@ class GPTModel(ParallelModel):
         return not self.config.untie_embeddings_and_output_weights
 
     def init_parameter(self, module_name, module, param_name, tensor) -> None:
-        """Megatron's init: weights N(0, std), the residual-branch output projections
-        (attention ``proj`` and ``fc2``) N(0, std / sqrt(2 * num_layers)) because each layer
-        adds two residual branches whose variance otherwise grows with depth; biases zero;
-        norms one; embeddings N(0, std)."""
-        std = self.config.init_method_std
-        if isinstance(module, Linear) and param_name == "weight":
-            if module_name.rsplit(".", 1)[-1] in ("proj", "fc2"):
-                std = std / math.sqrt(2.0 * self.config.num_layers)
-            nn.init.normal_(tensor, 0.0, std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(tensor, 0.0, std)
-        elif param_name == "bias":
-            nn.init.zeros_(tensor)
-        else:  # LayerNorm / RMSNorm scale
-            nn.init.ones_(tensor)
+        """Megatron's init (``models.transformer.init_parameter_``)."""
+        cfg = self.config
+        init_parameter_(
+            module_name, module, param_name, tensor, cfg.init_method_std, cfg.num_layers
+        )
 
     def pipeline_copies(self) -> dict[str, bool]:
         """A tied head keeps a copy of ``word_embeddings`` on the last stage; the first

@@ -28,7 +28,6 @@ gradient is already the whole one.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ from torch import nn
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
-from models.transformer import TransformerConfig, TransformerLayer
+from models.transformer import TransformerConfig, TransformerLayer, init_parameter_
 from parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
@@ -141,19 +140,11 @@ class RobertaModel(ParallelModel):
             self.binary_head = Linear(h, 2, recipe=None, device=device)
 
     def init_parameter(self, module_name, module, param_name, tensor) -> None:
-        """Megatron's BERT init: weights and embeddings N(0, std), the residual-branch output
-        projections (``proj``, ``fc2``) N(0, std / sqrt(2 L)); biases zero, norms one."""
-        std = self.config.init_method_std
-        if isinstance(module, Linear) and param_name == "weight":
-            if module_name.rsplit(".", 1)[-1] in ("proj", "fc2"):
-                std = std / math.sqrt(2.0 * self.config.num_layers)
-            nn.init.normal_(tensor, 0.0, std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(tensor, 0.0, std)
-        elif param_name == "bias":
-            nn.init.zeros_(tensor)
-        else:
-            nn.init.ones_(tensor)
+        """Megatron's init (``models.transformer.init_parameter_``)."""
+        cfg = self.config
+        init_parameter_(
+            module_name, module, param_name, tensor, cfg.init_method_std, cfg.num_layers
+        )
 
     def pipeline_copies(self) -> dict[str, bool]:
         if not self.pipeline.is_split:

@@ -34,6 +34,7 @@ GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -60,6 +61,7 @@ __all__ = [
     "MLP",
     "TransformerLayer",
     "RECOMPUTE",
+    "init_parameter_",
     "ACTIVATIONS",
     "NORMALIZATIONS",
     "NORM_POSITIONS",
@@ -526,3 +528,22 @@ class TransformerLayer(nn.Module):
         with _sharded_rng(sharded):
             x = x + self.dropout(mlp)  # [b, s, h]
         return x
+
+
+def init_parameter_(
+    module_name: str, module: nn.Module, param_name: str, tensor, std: float, num_layers: int
+) -> None:
+    """Megatron's init of one parameter: linear weights and embeddings N(0, std), the
+    residual-branch output projections (attention ``proj``, ``fc2``) N(0, std / sqrt(2 L))
+    because each layer adds two residual branches whose variance otherwise grows with depth;
+    biases zero; norm scales one."""
+    if isinstance(module, Linear) and param_name == "weight":
+        if module_name.rsplit(".", 1)[-1] in ("proj", "fc2"):
+            std = std / math.sqrt(2.0 * num_layers)
+        nn.init.normal_(tensor, 0.0, std)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(tensor, 0.0, std)
+    elif param_name == "bias":
+        nn.init.zeros_(tensor)
+    else:  # LayerNorm / RMSNorm scale
+        nn.init.ones_(tensor)
