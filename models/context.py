@@ -52,6 +52,14 @@ class BuildContext:
         """Keywords for ``fp8train.linear.Linear`` and the parallel linears."""
         return dict(recipe=self.recipe, scaling=self.scaling, device=self.device)
 
+    def check_sequence_split(self, seq_length: int) -> None:
+        """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
+        if self.sequence_parallel and seq_length % self.tp:
+            raise ValueError(
+                f"model.seq_length={seq_length} is not divisible by parallel.tensor={self.tp} "
+                "(sequence parallelism splits the sequence)"
+            )
+
     def single(self) -> BuildContext:
         """The same run on one process: no TP, no SP (the reference the slices are cut from)."""
         return BuildContext(self.recipe, self.scaling, self.device)

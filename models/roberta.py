@@ -102,11 +102,7 @@ class RobertaModel(ParallelModel):
 
     def __init__(self, config: RobertaConfig, ctx: BuildContext | None = None, pipeline=None):
         ctx = ctx or BuildContext()
-        if ctx.sequence_parallel and config.seq_length % ctx.tp:
-            raise ValueError(
-                f"model.seq_length={config.seq_length} is not divisible by parallel.tensor="
-                f"{ctx.tp} (sequence parallelism splits the sequence)"
-            )
+        ctx.check_sequence_split(config.seq_length)
         super().__init__(config, ctx, pipeline)
 
     def build(self, ctx: BuildContext) -> None:
