@@ -34,6 +34,8 @@ __all__ = [
     "RunsByWorld",
     "free_port",
     "full_tensors",
+    "key_bias_mask",
+    "reassembled_errors",
     "grad_value",
     "weight_value",
     "launch",
@@ -186,3 +188,34 @@ def full_tensors(model, value_of) -> dict[str, torch.Tensor]:
             value = gather_full(value.float(), dim, group, blocks)
         out[key] = value
     return {k: v.detach().float().cpu().clone() for k, v in out.items()}
+
+
+def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tensor:
+    """The key entries of a ``qkv.bias``, from a checkpoint's ``model_structure`` (rows
+    ``[groups, heads_per_group + 2, head_dim]``, keys at ``heads_per_group``); else none."""
+    mask = torch.zeros(value.shape, dtype=torch.bool)
+    if name.endswith("attention.qkv.bias"):
+        qkv = structure["fused"]["layers.*.attention.qkv"]
+        r = qkv["heads_per_group"]
+        mask.view(qkv["query_groups"], r + 2, qkv["head_dim"])[:, r] = True
+    return mask
+
+
+def reassembled_errors(
+    weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], structure: dict
+) -> tuple[dict[str, float], float]:
+    """(relative L2 error of every tensor of ``weights`` against ``ref``, key biases left out;
+    the largest key-bias magnitude in either). The key entries of ``qkv.bias`` get an exactly
+    zero gradient (softmax ignores the q.b_k added to every score of a query), so they and
+    their differences are Adam-normalised FP32 rounding noise in every run: callers check them
+    to stay noise-sized instead (tests/test_distributed_optimizer.py does the same)."""
+    assert sorted(weights) == sorted(ref)  # the same canonical names, nothing missing or extra
+    errors, key_bias = {}, 0.0
+    for name, r in ref.items():
+        keep = ~key_bias_mask(name, r, structure)
+        w = weights[name]
+        assert w.shape == r.shape, name
+        errors[name] = ((w[keep] - r[keep]).norm() / r[keep].norm().clamp(min=1e-30)).item()
+        if not keep.all():
+            key_bias = max(key_bias, w[~keep].abs().max().item(), r[~keep].abs().max().item())
+    return errors, key_bias

@@ -35,7 +35,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import rank_env, run_ranks
+from multiproc import rank_env, reassembled_errors, run_ranks
 from torch import nn
 
 from families import LossSums, ModelFamily, register_family
@@ -307,35 +307,10 @@ def loss_error(run_dir: Path, ref_dir: Path) -> float:
     return max(abs(a - b) / abs(b) for a, b in pairs)
 
 
-def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tensor:
-    """The key entries of a ``qkv.bias``, from the checkpoint's ``model_structure`` (rows
-    ``[groups, heads_per_group + 2, head_dim]``, keys at ``heads_per_group``); else none."""
-    mask = torch.zeros(value.shape, dtype=torch.bool)
-    if name.endswith("attention.qkv.bias"):
-        qkv = structure["fused"]["layers.*.attention.qkv"]
-        r = qkv["heads_per_group"]
-        mask.view(qkv["query_groups"], r + 2, qkv["head_dim"])[:, r] = True
-    return mask
-
-
 def weight_errors(run_dir: Path, ref_dir: Path) -> tuple[dict[str, float], float]:
-    """(relative L2 error of every final weight against the reference's, the key biases left
-    out; the largest key-bias magnitude in either run). The key entries of ``qkv.bias`` have
-    an exactly zero gradient (softmax ignores the q.b_k added to every score of a query), so
-    their values are Adam-normalised FP32 rounding noise in every run, as are their
-    differences: they are checked to stay noise-sized instead (tests/test_distributed_optimizer.py
-    does the same)."""
-    weights, ref = _final_weights(run_dir), _final_weights(ref_dir)
-    assert sorted(weights) == sorted(ref)  # the same canonical names, nothing missing or extra
+    """Final weights of a run against the reference's (``multiproc.reassembled_errors``)."""
     structure = _metadata(ref_dir)["model_structure"]
-    errors, key_bias = {}, 0.0
-    for name, r in ref.items():
-        keep = ~key_bias_mask(name, r, structure)
-        w = weights[name]
-        errors[name] = ((w[keep] - r[keep]).norm() / r[keep].norm().clamp(min=1e-30)).item()
-        if not keep.all():
-            key_bias = max(key_bias, w[~keep].abs().max().item(), r[~keep].abs().max().item())
-    return errors, key_bias
+    return reassembled_errors(_final_weights(run_dir), _final_weights(ref_dir), structure)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)

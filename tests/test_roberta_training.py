@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from multiproc import launch, rank_env, run_ranks, torchrun
+from multiproc import launch, rank_env, reassembled_errors, run_ranks, torchrun
 
 CONFIG = str(REPO / "configs/roberta_tiny.yaml")
 ENTRY = "pretrain_roberta.py"
@@ -219,34 +219,10 @@ def loss_error(run_dir: Path, ref_dir: Path) -> float:
     return max(abs(a - b) / abs(b) for a, b in pairs)
 
 
-def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tensor:
-    """The key entries of a ``qkv.bias``, from the checkpoint's ``model_structure`` (rows
-    ``[groups, heads_per_group + 2, head_dim]``, keys at ``heads_per_group``); else none."""
-    mask = torch.zeros(value.shape, dtype=torch.bool)
-    if name.endswith("attention.qkv.bias"):
-        qkv = structure["fused"]["layers.*.attention.qkv"]
-        r = qkv["heads_per_group"]
-        mask.view(qkv["query_groups"], r + 2, qkv["head_dim"])[:, r] = True
-    return mask
-
-
 def weight_errors(run_dir: Path, ref_dir: Path) -> tuple[dict[str, float], float]:
-    """(relative L2 error of every final weight against the reference's, key biases left out;
-    the largest key-bias magnitude in either run). The key entries of ``qkv.bias`` get an
-    exactly zero gradient (softmax ignores the q.b_k added to every score of a query), so
-    they and their differences are Adam-normalised rounding noise."""
-    weights, ref = _final_weights(run_dir), _final_weights(ref_dir)
-    assert sorted(weights) == sorted(ref)  # the same canonical names, nothing missing or extra
+    """Final weights of a run against the reference's (``multiproc.reassembled_errors``)."""
     structure = _metadata(ref_dir)["model_structure"]
-    errors, key_bias = {}, 0.0
-    for name, r in ref.items():
-        keep = ~key_bias_mask(name, r, structure)
-        w = weights[name]
-        assert w.shape == r.shape, name
-        errors[name] = ((w[keep] - r[keep]).norm() / r[keep].norm().clamp(min=1e-30)).item()
-        if not keep.all():
-            key_bias = max(key_bias, w[~keep].abs().max().item(), r[~keep].abs().max().item())
-    return errors, key_bias
+    return reassembled_errors(_final_weights(run_dir), _final_weights(ref_dir), structure)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)
