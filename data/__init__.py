@@ -1,5 +1,6 @@
 """Data layer: default corpus, SentencePiece tokenizer, Megatron indexed datasets, GPT
-datasets built by megatron-core, and resumable micro-batch sampling.
+datasets built by megatron-core, image-classification sources and datasets, and resumable
+micro-batch sampling.
 
 Names are resolved lazily (PEP 562) so ``import data.corpus`` does not pull in torch, and
 megatron.core (about 3 s to import) is loaded only when a dataset is written or read.
@@ -24,6 +25,15 @@ _EXPORTS = {
     "prepare_default_data": "data.prepare",
     "prepare_data_from_prefix": "data.prepare",
     "build_gpt_datasets": "data.gpt_data",
+    "ImageSource": "data.image_data",
+    "digits_source": "data.image_data",
+    "folder_source": "data.image_data",
+    "packed_source": "data.image_data",
+    "write_packed": "data.image_data",
+    "split_indices": "data.image_data",
+    "channel_mean_std": "data.image_data",
+    "ImageDataset": "data.image_data",
+    "build_image_datasets": "data.image_data",
     "MicroBatchSampler": "data.sampler",
     "micro_batches": "data.sampler",
 }

@@ -1,12 +1,17 @@
 """Deterministic, exactly resumable micro-batch sampling (Megatron's pretraining sampler).
 
-The dataset is already shuffled by megatron-core (its shuffle index), so sampling walks the
-global sample order sequentially: the global micro-batch ``j`` holds samples
-``[consumed + j*M*D, consumed + (j+1)*M*D)`` with M the micro-batch size and D the
-data-parallel size, and rank ``r`` takes the slice ``[r*M, (r+1)*M)`` of it. The only state is
-``consumed_samples`` (summed over all ranks), so resuming at ``k`` replays exactly what the
-uninterrupted run saw after ``k`` samples, for any rank. Batches are assembled in the calling
-process: GPTDataset items are memory-mapped slices, no worker processes are needed.
+The dataset is already shuffled (megatron-core's shuffle index, or the dataset's own per-epoch
+order), so sampling walks the global sample order sequentially: the global micro-batch ``j``
+holds samples ``[consumed + j*M*D, consumed + (j+1)*M*D)`` with M the micro-batch size and D
+the data-parallel size, and rank ``r`` takes the slice ``[r*M, (r+1)*M)`` of it. The only
+state is ``consumed_samples`` (summed over all ranks), so resuming at ``k`` replays exactly
+what the uninterrupted run saw after ``k`` samples, for any rank.
+
+By default batches are assembled in the calling process: GPTDataset items are memory-mapped
+slices, no worker processes are needed. Datasets that decode and augment every item (images)
+may pass ``num_workers > 0``: a torch DataLoader then fetches the same index lists from the
+sampler in worker processes and yields the batches in the sampler's order, so the batches do
+not depend on ``num_workers``.
 """
 
 from __future__ import annotations
@@ -73,14 +78,28 @@ def micro_batches(
     dp_rank: int,
     dp_size: int,
     total_samples: int | None = None,
+    num_workers: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches for this rank starting after ``consumed_samples``.
 
-    Each batch is ``{"tokens": int64 [b,s], "labels": int64 [b,s], "loss_mask": float32 [b,s],
-    "position_ids": int64 [b,s]}`` (plus whatever else the dataset items carry).
-    ``total_samples`` defaults to ``len(dataset)``.
+    Each batch stacks the items' tensors under their keys, e.g. GPT's ``{"tokens": int64
+    [b,s], "labels": int64 [b,s], "loss_mask": float32 [b,s], "position_ids": int64 [b,s]}``.
+    ``total_samples`` defaults to ``len(dataset)``. ``num_workers > 0`` reads items in that
+    many DataLoader worker processes (the dataset must pickle); the batches are the same.
     """
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     total = len(dataset) if total_samples is None else int(total_samples)
     # Built here, not inside the generator, so bad arguments fail at the call site.
     sampler = MicroBatchSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
-    return (collate([dataset[i] for i in indices]) for indices in sampler)
+    if num_workers == 0:
+        return (collate([dataset[i] for i in indices]) for indices in sampler)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=int(num_workers),
+        persistent_workers=False,
+    )
+    # Wrapped so workers start at the first batch drawn, not when micro_batches is called.
+    return (batch for batch in loader)

@@ -190,6 +190,13 @@ class SentencePieceTokenizer:
         i = int(self._sp.piece_to_id("<mask>"))
         return i if self._sp.id_to_piece(i) == "<mask>" and self._sp.is_control(i) else -1
 
+    @property
+    def newline(self) -> int:
+        """The id of the ``"\\n"`` piece (a user symbol in tokenizers trained here), or -1 when
+        the model has no piece that is exactly a newline."""
+        i = int(self._sp.piece_to_id("\n"))
+        return i if self._sp.id_to_piece(i) == "\n" else -1
+
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from families.config_fields import Section
+from families.data_sections import TextDataSection
 
 if TYPE_CHECKING:  # annotations only: families sit below training/
     from models.base import ParallelModel
@@ -53,10 +54,32 @@ class ModelFamily(ABC):
     # The YAML ``model`` section of this family's runs: a families.config_fields.Section
     # (usually a families.sections.TransformerSection) whose FAMILY is ``name``.
     model_section: ClassVar[type]
-    # Loss metrics, headline first; each is logged as-is and as "<name> validation".
+    # The YAML ``data`` section of its runs (families/data_sections.py): text by default.
+    data_section: ClassVar[type] = TextDataSection
+    # Every loss metric the family can report, headline first; each is logged as-is and as
+    # "<name> validation". A run reports ``run_metrics(cfg)`` of them (e.g. without an optional
+    # head's loss when the head is off).
     metric_names: ClassVar[tuple[str, ...]]
     # Metrics whose validation value also gets a perplexity twin ("<name> validation ppl").
     perplexity_metrics: ClassVar[tuple[str, ...]] = ()
+    # What one sample is, for the console's throughput ("images/s" for ViT); the metric is
+    # "samples-per-second" for every family.
+    sample_unit: ClassVar[str] = "samples"
+
+    def run_metrics(self, cfg) -> tuple[str, ...]:
+        """The metrics a run of ``cfg`` reports and ``loss`` returns: ``metric_names`` or a
+        subset of it in the same order, the headline always first. Default: all of them."""
+        return tuple(self.metric_names)
+
+    def export_hf(self, checkpoint, directory):
+        """Write training checkpoint ``checkpoint`` (any layout, any level) as a Hugging Face
+        model directory; returns the directory. Families without an export raise."""
+        raise NotImplementedError(f"model family {self.name!r} has no Hugging Face export yet")
+
+    def loader_workers(self, cfg) -> int:
+        """Worker processes that build this run's batches (``data.sampler.micro_batches``);
+        0 = in the training process (cheap items: memory-mapped token windows)."""
+        return 0
 
     @abstractmethod
     def prepare_data(self, cfg, rank: int) -> Any:
@@ -102,7 +125,8 @@ class ModelFamily(ABC):
 RESERVED_METRICS = frozenset(
     {
         "iteration", "consumed-samples", "learning-rate", "grad-norm", "loss-scale",
-        "batch-size", "iteration-time", "throughput", "mfu", "bytes-per-param",
+        "batch-size", "iteration-time", "samples-per-second", "throughput", "mfu",
+        "bytes-per-param",
         "bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-grad-element",
         "wire-bytes-per-grad-element-all", "wire-bytes-per-element", "skipped-iterations",
         "nan-iterations",
@@ -119,6 +143,9 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     section = getattr(type(family), "model_section", None)
     if not (isinstance(section, type) and issubclass(section, Section)):
         raise TypeError(f"family {family.name!r}: model_section must be a config Section class")
+    data = getattr(type(family), "data_section", None)
+    if not (isinstance(data, type) and issubclass(data, Section) and data.SECTION == "data"):
+        raise TypeError(f"family {family.name!r}: data_section must be a config Section 'data'")
     if section.FAMILY != family.name:
         raise ValueError(
             f"family {family.name!r}: its model_section {section.__name__} says FAMILY="
@@ -147,6 +174,7 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
 def _builtin() -> None:
     import families.gpt  # noqa: F401  (each registers itself)
     import families.roberta  # noqa: F401
+    import families.vit  # noqa: F401
 
 
 def get_family(name: str) -> ModelFamily:

@@ -20,7 +20,7 @@ from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily, register_family
 from families.config_fields import doc_field
-from families.sections import TransformerSection
+from families.sections import TextTransformerSection
 from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, GPTModel, pad_vocab_size
 
 __all__ = ["GPTData", "GPTFamily", "GPTModelSection", "gpt_flops_per_step"]
@@ -29,7 +29,7 @@ _GPT = {f.name: f.default for f in fields(GPTConfig)}
 
 
 @dataclass(frozen=True)
-class GPTModelSection(TransformerSection):
+class GPTModelSection(TextTransformerSection):
     """The ``model`` section of a GPT run: the blocks' keys plus positions and the head."""
 
     FAMILY: ClassVar[str] = "gpt"
@@ -147,7 +147,24 @@ class GPTFamily(ModelFamily):
             "vocab_size": data.tokenizer.vocab_size if data is not None else None,
             "padded_vocab_size": config.vocab_size,
             "vocab_tensors": vocab_tensors,
+            "token_ids": _token_ids(data),
         }
+
+    def export_hf(self, checkpoint, directory):
+        """GPT-2 style -> ``GPT2LMHeadModel``, Llama style -> ``LlamaForCausalLM``
+        (families/gpt_hf.py)."""
+        from families.gpt_hf import export_checkpoint
+
+        return export_checkpoint(checkpoint, directory)
+
+
+def _token_ids(data: GPTData | None) -> dict | None:
+    """The tokenizer's special ids, for an exported Hugging Face config (None when unknown)."""
+    if data is None:
+        return None
+    t = data.tokenizer
+    ids = {"bos_token_id": t.bos, "eos_token_id": t.eod, "pad_token_id": t.pad}
+    return {k: (int(v) if v is not None and v >= 0 else None) for k, v in ids.items()}
 
 
 register_family(GPTFamily())

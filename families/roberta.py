@@ -8,8 +8,10 @@ across documents, dynamic 80/10/10 masking per sample index). Loss: the token cr
 over the chosen positions (``lm loss``) and the share of them predicted right
 (``mlm accuracy``). FLOPs: the encoder blocks with bidirectional attention (every score
 counts) plus the masked-LM head (``h x h`` dense and the ``h x V`` decoder) at every position:
-``6 B s [L (h(q+2kv) + 2 q s + q h + 2 h f) + h^2 + h V]``. The binary (sentence-order) head
-needs sentence-pair data, which is not built yet: ``model.add_binary_head=true`` is refused.
+``6 B s [L (h(q+2kv) + 2 q s + q h + 2 h f) + h^2 + h V]`` (the binary head's ``h^2 + 2h`` per
+sample is left out: under 0.01% of a step). With ``model.add_binary_head`` the samples are
+sentence-order pairs (``data.mlm_data``) and the objective adds the pair cross entropy's mean
+to the masked-LM mean, as Megatron's BERT does; ``sop loss`` and ``sop accuracy`` are logged.
 
 ``RobertaForMaskedLM`` checkpoints (``config.json`` + ``model.safetensors``) map onto
 ``models.roberta.RobertaModel``'s single-process names, in both directions. Files are read
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
@@ -38,7 +41,8 @@ from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily, register_family
 from families.config_fields import doc_field
-from families.sections import TransformerSection
+from families.hf_qkv import fuse_qkv, split_qkv
+from families.sections import TextTransformerSection
 from models.gpt import pad_vocab_size
 from models.roberta import RobertaConfig, RobertaModel
 from models.transformer import ACTIVATIONS, NORM_POSITIONS
@@ -60,7 +64,7 @@ _R = {f.name: f.default for f in fields(RobertaConfig)}
 
 
 @dataclass(frozen=True)
-class RobertaModelSection(TransformerSection):
+class RobertaModelSection(TextTransformerSection):
     """The ``model`` section of a RoBERTa run: the blocks' keys (post-LN and exact GELU by
     default, as RoBERTa), positions, the binary head and the masked-LM data's probabilities."""
 
@@ -82,7 +86,9 @@ class RobertaModelSection(TransformerSection):
         ge=1,
     )
     add_binary_head: bool = doc_field(
-        False, "Binary (sentence-order) head; needs sentence-pair data, not built yet."
+        False,
+        "Binary (sentence-order) head: samples become `<s> A </s></s> B </s>` segment pairs from "
+        "one document, swapped half the time, with two token types; adds sop loss/accuracy.",
     )
     mask_prob: float = doc_field(0.15, "Share of the tokens chosen for prediction.", gt=0, lt=1)
     mask_replace_prob: float = doc_field(
@@ -95,11 +101,6 @@ class RobertaModelSection(TransformerSection):
 
     def _check(self) -> None:
         super()._check()
-        if self.add_binary_head:
-            raise self._err(
-                "model.add_binary_head=true: the sentence-order data it trains on is not built "
-                "yet (the model's binary head exists)"
-            )
         if self.mask_replace_prob + self.random_replace_prob > 1:
             raise self._err(
                 f"model.mask_replace_prob ({self.mask_replace_prob:g}) + "
@@ -123,14 +124,22 @@ class RobertaData:
         return MLMSpecialTokens(
             bos=t.bos, eos=t.eod, pad=t.pad, mask=t.mask, vocab_size=t.vocab_size,
             never_mask=frozenset({t.unk}),
+            # Lines are the sentences that full-sentence packing keeps whole (code corpus).
+            sentence_ends=frozenset({t.newline} if t.newline >= 0 else ()),
         )  # fmt: skip
 
 
 class RobertaFamily(ModelFamily):
     name = "roberta"
     model_section = RobertaModelSection
-    metric_names = ("lm loss", "mlm accuracy")
+    # Megatron's BERT names "lm loss" and "sop loss"; the sop pair only with the binary head.
+    metric_names = ("lm loss", "mlm accuracy", "sop loss", "sop accuracy")
     perplexity_metrics = ("lm loss",)
+
+    def run_metrics(self, cfg) -> tuple[str, ...]:
+        if cfg.model.add_binary_head:
+            return self.metric_names
+        return self.metric_names[:2]
 
     def prepare_data(self, cfg, rank: int) -> RobertaData:
         prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, ("<mask>",))
@@ -165,7 +174,11 @@ class RobertaFamily(ModelFamily):
             mask_prob=m.mask_prob,
             random_prob=m.random_replace_prob,
             keep_prob=1.0 - m.mask_replace_prob - m.random_replace_prob,
+            binary_head=m.add_binary_head,
         )
+
+    def export_hf(self, checkpoint, directory):
+        return export_checkpoint(checkpoint, directory)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
@@ -181,7 +194,16 @@ class RobertaFamily(ModelFamily):
         total, count = (output["lm"].float() * mask).sum(), mask.sum()
         correct = (output["lm_correct"] * mask).sum()
         sums = {"lm loss": (total, count), "mlm accuracy": (correct, count)}
-        return total / count.clamp(min=1), sums
+        objective = total / count.clamp(min=1)
+        binary = output.get("binary")
+        if binary is not None:  # sentence order: Megatron's BERT adds the two means
+            label = batch["sop_label"]
+            sop = F.cross_entropy(binary.float(), label, reduction="sum")
+            right = (binary.detach().argmax(-1) == label).float().sum()
+            sums["sop loss"] = (sop, label.numel())
+            sums["sop accuracy"] = (right, label.numel())
+            objective = objective + sop / label.numel()
+        return objective, sums
 
     def flops_per_step(self, config: RobertaConfig, global_batch_size: int) -> float:
         b, s, h = global_batch_size, config.seq_length, config.hidden_size
@@ -309,13 +331,9 @@ def state_from_hf(hf: dict[str, torch.Tensor], config: RobertaConfig) -> dict[st
             out[f"layers.{layer}.{_LAYER[module]}.{kind}"] = value
         else:
             raise KeyError(f"Hugging Face tensor {key!r} has no place in RobertaModel")
-    heads, d = config.num_attention_heads, config.kv_channels
     for (layer, kind), parts in qkv.items():
-        q, k, v = (
-            parts[n].reshape(heads, d, *parts[n].shape[1:]) for n in ("query", "key", "value")
-        )
-        out[f"layers.{layer}.attention.qkv.{kind}"] = torch.stack([q, k, v], 1).reshape(
-            3 * heads * d, *q.shape[2:]
+        out[f"layers.{layer}.attention.qkv.{kind}"] = fuse_qkv(
+            parts["query"], parts["key"], parts["value"], config.num_attention_heads
         )
     for name in _VOCAB_ROWS:
         if name in out:
@@ -327,10 +345,11 @@ def state_to_hf(
     state: dict[str, torch.Tensor], config: RobertaConfig, vocab_size: int
 ) -> dict[str, torch.Tensor]:
     """Inverse of ``state_from_hf``: QKV split per head, the vocabulary cut to ``vocab_size``
-    rows; the tied decoder is written as Hugging Face does (``lm_head.bias`` only)."""
+    rows; the tied decoder is written as Hugging Face does (``lm_head.bias`` only). The binary
+    head (``pooler``, ``binary_head``) has no place in ``RobertaForMaskedLM`` and is left out."""
     inverse_top = {v: k for k, v in _TOP.items()}
     inverse_layer = {v: k for k, v in _LAYER.items()}
-    heads, d = config.num_attention_heads, config.kv_channels
+    heads = config.num_attention_heads
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         if name in _VOCAB_ROWS:
@@ -344,9 +363,8 @@ def state_to_hf(
         layer, module, kind = m.groups()
         prefix = f"roberta.encoder.layer.{layer}"
         if module == "attention.qkv":
-            q, k, v = value.reshape(heads, 3, d, *value.shape[1:]).unbind(1)
-            for part, t in zip(("query", "key", "value"), (q, k, v)):
-                out[f"{prefix}.attention.self.{part}.{kind}"] = t.reshape(heads * d, *t.shape[2:])
+            for part, t in zip(("query", "key", "value"), split_qkv(value, heads)):
+                out[f"{prefix}.attention.self.{part}.{kind}"] = t
         elif module in inverse_layer:
             out[f"{prefix}.{inverse_layer[module]}.{kind}"] = value
     return {k: v.contiguous() for k, v in out.items()}

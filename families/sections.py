@@ -1,7 +1,9 @@
-"""The ``model`` section shared by the transformer families: the blocks' keys.
+"""The ``model`` sections shared by the transformer families: the blocks' keys.
 
-``TransformerSection`` holds the keys every family built on models/transformer.py reads; a
-family's own section subclasses it with its keys (GPT: families/gpt.py). Defaults and choices
+``TransformerSection`` holds the keys every family built on models/transformer.py reads;
+``TextTransformerSection`` adds a token model's sequence length and vocabulary padding. A
+family's own section subclasses one of them with its keys (GPT: families/gpt.py; ViT, whose
+sequence is its patches: families/vit.py). Defaults and choices
 are taken from the model's own config (``TransformerConfig``), and a section is validated by
 building that config (``resolved``), so a default or a cross-key rule is written once, where
 the model needs it.
@@ -25,7 +27,7 @@ from models.transformer import (
 )
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 
-__all__ = ["TransformerSection"]
+__all__ = ["TextTransformerSection", "TransformerSection"]
 
 _T = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
 
@@ -55,7 +57,6 @@ class TransformerSection(Section):
         "(swiglu, which keeps the parameter count of a 4*hidden gelu MLP).",
         ge=1,
     )
-    seq_length: int = doc_field(256, "Tokens per training sample.", ge=1)
     normalization: Literal[NORMALIZATIONS] = doc_field(_T["normalization"], "Norm layer type.")
     norm_epsilon: float = doc_field(_T["norm_epsilon"], "Epsilon of the norm layers.", gt=0)
     activation: Literal[ACTIVATIONS] = doc_field(
@@ -86,11 +87,6 @@ class TransformerSection(Section):
         "backward: least memory, ~1/3 more compute); selective (rerun only the attention core, "
         "whose s*s probabilities dominate activation memory at long sequences). Losses and "
         "gradients are bit-identical to none, FP8 scales included.",
-    )
-    make_vocab_size_divisible_by: int = doc_field(
-        128,
-        "Pad the vocabulary to a multiple of this (times parallel.tensor, as in Megatron).",
-        ge=1,
     )
 
     def _check(self) -> None:
@@ -142,6 +138,28 @@ class TransformerSection(Section):
 
     def ffn_size(self) -> int:
         return self.resolved().ffn_hidden_size
+
+
+@dataclass(frozen=True)
+class TextTransformerSection(TransformerSection):
+    """The blocks' keys plus what a token model adds: the sequence length and the vocabulary
+    padding (GPT, RoBERTa)."""
+
+    seq_length: int = doc_field(256, "Tokens per training sample.", ge=1)
+    make_vocab_size_divisible_by: int = doc_field(
+        128,
+        "Pad the vocabulary to a multiple of this (times parallel.tensor, as in Megatron).",
+        ge=1,
+    )
+
+    def check_parallel(self, parallel) -> None:
+        """The blocks' rules, and sequence parallelism splits the sequence evenly."""
+        super().check_parallel(parallel)
+        if parallel.sequence_parallel and self.seq_length % parallel.tensor:
+            raise ConfigError(
+                f"config: model.seq_length={self.seq_length} is not divisible by "
+                f"parallel.tensor={parallel.tensor} (sequence parallelism splits the sequence)"
+            )
 
     def padded_vocab_size(self, vocab_size: int, tensor: int = 1) -> int:
         return pad_vocab_size(vocab_size, self.make_vocab_size_divisible_by, tensor)

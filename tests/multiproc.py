@@ -34,6 +34,7 @@ __all__ = [
     "RunsByWorld",
     "free_port",
     "full_tensors",
+    "tensor_parallel_errors",
     "key_bias_mask",
     "reassembled_errors",
     "grad_value",
@@ -188,6 +189,48 @@ def full_tensors(model, value_of) -> dict[str, torch.Tensor]:
             value = gather_full(value.float(), dim, group, blocks)
         out[key] = value
     return {k: v.detach().float().cpu().clone() for k, v in out.items()}
+
+
+def tensor_parallel_errors(levels, build, loss_of) -> dict[str, dict]:
+    """Run on every rank of an initialised 2-rank default group. For each precision level:
+    seed 7, ``build(ctx)`` a model in one process, under TP and under TP with sequence
+    parallelism, backward ``loss_of(model)``, and compare the loss and every gradient (TP
+    shards gathered under the single-process names) with the one-process run. Returns
+    ``{"level/tp" | "level/tp_sp": {"loss": relative error, "names": same names, "grads":
+    [worst relative L2 error, its tensor]}}``."""
+    import torch.distributed as dist
+
+    from fp8train.precision import get_recipe
+    from models.context import BuildContext
+
+    results = {}
+    for level in levels:
+        runs = {}
+        for name, extra in (
+            ("single", {}),
+            ("tp", {"tp_group": dist.group.WORLD}),
+            ("tp_sp", {"tp_group": dist.group.WORLD, "sequence_parallel": True}),
+        ):
+            torch.manual_seed(7)
+            model = build(BuildContext(get_recipe(level), **extra))
+            loss = loss_of(model)
+            loss.backward()
+            grads = full_tensors(model, grad_value) if extra else {
+                n: p.grad.detach().clone() for n, p in model.named_parameters()
+            }  # fmt: skip
+            runs[name] = (loss.item(), grads)
+        ref_loss, ref_grads = runs["single"]
+        for name in ("tp", "tp_sp"):
+            loss, grads = runs[name]
+            results[f"{level}/{name}"] = {
+                "loss": abs(loss - ref_loss) / ref_loss,
+                "names": sorted(grads) == sorted(ref_grads),
+                "grads": max(
+                    (((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item(), n)
+                    for n, g in ref_grads.items()
+                ),
+            }
+    return results
 
 
 def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tensor:

@@ -234,7 +234,7 @@ def test_direct_construction_is_validated():
         dataclasses.replace(Config().parallel, sequence_parallel=True)
 
 
-@pytest.mark.parametrize("family", ["gpt", "roberta"])
+@pytest.mark.parametrize("family", ["gpt", "roberta", "vit"])
 def test_docs_are_in_sync(family):
     from training.config import reference_doc
 

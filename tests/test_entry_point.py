@@ -78,6 +78,7 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
         "grad-norm",
         "batch-size",
         "iteration-time",
+        "samples-per-second",
         "throughput",
         "mfu",
         "lm loss validation",

@@ -39,7 +39,7 @@ from multiproc import rank_env, reassembled_errors, run_ranks
 from torch import nn
 
 from families import LossSums, ModelFamily, register_family
-from families.sections import TransformerSection
+from families.sections import TextTransformerSection
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
@@ -62,7 +62,7 @@ class ToyConfig(TransformerConfig):
 
 
 @dataclass(frozen=True)
-class ToySection(TransformerSection):
+class ToySection(TextTransformerSection):
     """The toy's YAML ``model`` section: the blocks' keys (defaults and rules from
     ``TransformerConfig``); its own shape fields come from the data, so none are added."""
 

@@ -66,35 +66,56 @@ def run_level(
         if proc.returncode:
             sys.exit(f"level {level} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
-    train = [r for r in records if "lm loss" in r]
-    valid = [r["lm loss validation"] for r in records if "lm loss validation" in r]
+    loss, second = _metrics(model)
+    train = [r for r in records if loss in r]
+    valid = [r for r in records if f"{loss} validation" in r]
     times = [r["iteration-time"] for r in train[1:]]  # the first interval includes warm-up
     return {
-        "curve": [(r["iteration"], r["lm loss"]) for r in train],
+        "curve": [(r["iteration"], r[loss]) for r in train],
         "level": level,
-        "first": train[0]["lm loss"],
-        "final": train[-1]["lm loss"],
-        "valid": valid[-1] if valid else float("nan"),
+        "first": train[0][loss],
+        "final": train[-1][loss],
+        "valid": valid[-1][f"{loss} validation"] if valid else float("nan"),
+        "valid_second": valid[-1].get(f"{second} validation") if valid and second else None,
         "step_s": sum(times) / len(times),
         "bpp": train[-1]["bytes-per-param"],
     }
 
 
-def table(rows: list[dict], reference: str) -> str:
+def _metrics(model: str) -> tuple[str, str | None]:
+    """The family's headline loss and, for families that have one, its second metric (masked-LM
+    or classification accuracy)."""
+    from families import get_family
+
+    names = get_family(model).metric_names
+    return names[0], (names[1] if len(names) > 1 else None)
+
+
+def table(rows: list[dict], reference: str, second: str | None = None) -> str:
+    """One row per level; with ``second`` (a metric in [0, 1]) two more columns: its final
+    validation value and the difference to the reference in percentage points."""
     ref = next(r for r in rows if r["level"] == reference)
-    lines = [
+    extra = second is not None and ref.get("valid_second") is not None
+    head = (
         f"| level | first logged loss | final train loss | train vs {reference} | final valid loss "
-        f"| valid vs {reference} | s/step | time vs {reference} | model-state bytes/param |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+        f"| valid vs {reference} |"
+    )
+    if extra:
+        head += f" final valid {second} | vs {reference} (points) |"
+    head += f" s/step | time vs {reference} | model-state bytes/param |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         rel = (r["valid"] - ref["valid"]) / ref["valid"] * 100
         rel_train = (r["final"] - ref["final"]) / ref["final"] * 100
-        lines.append(
+        line = (
             f"| {r['level']} | {r['first']:.4f} | {r['final']:.4f} | {rel_train:+.2f}% | "
-            f"{r['valid']:.4f} | {rel:+.2f}% | {r['step_s']:.3f} | "
-            f"{r['step_s'] / ref['step_s']:.2f}x | {r['bpp']:.1f} |"
+            f"{r['valid']:.4f} | {rel:+.2f}% |"
         )
+        if extra:
+            points = (r["valid_second"] - ref["valid_second"]) * 100
+            line += f" {r['valid_second']:.4f} | {points:+.2f} |"
+        line += f" {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x | {r['bpp']:.1f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -110,7 +131,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         steps, losses = zip(*r["curve"])
         ax.plot(steps, losses, label=r["level"], linewidth=1.4)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss (mean over the log interval)")
+    ax.set_ylabel("training loss (mean over the log interval)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -156,7 +177,7 @@ def main() -> None:
         )  # fmt: skip
         for lv in args.levels
     ]
-    result = table(rows, args.reference)
+    result = table(rows, args.reference, _metrics(args.model)[1])
     print(result)
     if args.plot:
         plot(rows, REPO / args.plot, f"{args.config}, {args.iters} iterations, {args.nproc} ranks")

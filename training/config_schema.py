@@ -15,7 +15,6 @@ Loading, overrides and the generated reference live in ``training/config.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +24,10 @@ from families import DEFAULT_FAMILY, get_family
 from families.config_fields import ConfigError, Section, field_spec, show_value
 from families.config_fields import Section as _Section
 from families.config_fields import doc_field as _f
+from families.data_sections import TextDataSection
+
+# The text data section (GPT, RoBERTa) under its historical name.
+DataConfig = TextDataSection
 
 __all__ = [
     "ConfigError",
@@ -45,48 +48,6 @@ __all__ = [
 
 PrecisionLevel = Literal["fp32", "bf16", "fp16", "te", "O1", "O2", "O3"]
 PRECISION_LEVELS: tuple[str, ...] = typing.get_args(PrecisionLevel)
-
-
-@dataclass(frozen=True)
-class DataConfig(_Section):
-    SECTION: ClassVar[str] = "data"
-
-    corpus: Literal["stdlib", "prefix"] = _f(
-        "stdlib",
-        "stdlib = build the default corpus (Python standard library sources) and train a "
-        "tokenizer on it; prefix = read Megatron .bin/.idx files at data.data_prefix.",
-    )
-    data_prefix: str | None = _f(
-        None, "Megatron dataset path without .bin/.idx (e.g. data/owt_text_document); for prefix."
-    )
-    tokenizer_model: str | None = _f(None, "Tokenizer model file; required for prefix.")
-    vocab_size: int = _f(4096, "Vocabulary of the tokenizer trained on the stdlib corpus.", ge=2)
-    cache_dir: str = _f(".cache/data", "Where the default corpus and its tokenizer are cached.")
-    split: str = _f("98,2,0", "train,valid,test weights: three non-negative numbers, not all 0.")
-
-    def _check(self) -> None:
-        self.split_weights()  # raises on a malformed split
-        if self.corpus == "prefix":
-            for name in ("data_prefix", "tokenizer_model"):
-                if getattr(self, name) is None:
-                    raise self._err(f"data.{name} is required when data.corpus is 'prefix'")
-
-    def split_weights(self) -> tuple[float, float, float]:
-        """The split as normalised fractions (train, valid, test)."""
-        bad = self._err(
-            f"data.split must be three comma-separated non-negative numbers, not all zero, "
-            f"got {show_value(self.split)}"
-        )
-        try:
-            parts = tuple(float(p) for p in self.split.split(","))
-        except ValueError:
-            raise bad from None
-        if len(parts) != 3 or not all(math.isfinite(p) and p >= 0 for p in parts):
-            raise bad
-        total = sum(parts)
-        if total == 0:
-            raise bad
-        return (parts[0] / total, parts[1] / total, parts[2] / total)
 
 
 @dataclass(frozen=True)
@@ -257,7 +218,7 @@ class Config:
     """The whole run configuration; sections mirror the YAML file."""
 
     model: Section = field(default_factory=lambda: _model_section(None)())
-    data: DataConfig = field(default_factory=DataConfig)
+    data: Section | None = None  # None: the family's data section with its defaults
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -267,6 +228,8 @@ class Config:
 
     def __post_init__(self) -> None:
         sections = sections_for(self.family)
+        if self.data is None:
+            object.__setattr__(self, "data", sections["data"]())  # frozen: set once, here
         for f in dataclasses.fields(self):
             if not isinstance(getattr(self, f.name), sections[f.name]):
                 raise ConfigError(f"config: {f.name} must be a {sections[f.name].__name__}")
@@ -293,22 +256,26 @@ class Config:
         return self.optimizer.lr_decay_iters or self.training.train_iters
 
 
-def _model_section(family: str | None) -> type:
+def _family(family: str | None):
     try:
-        return get_family(family or DEFAULT_FAMILY).model_section
+        return get_family(family or DEFAULT_FAMILY)
     except ValueError as err:  # an unknown family name
         raise ConfigError(f"config: {err}") from None
 
 
+def _model_section(family: str | None) -> type:
+    return _family(family).model_section
+
+
 def sections_for(family: str | None = None) -> dict[str, type]:
     """Section name -> class for a run of model ``family`` (default: the default family):
-    the ``model`` section is the family's own."""
-    return {"model": _model_section(family), **SECTIONS}
+    the ``model`` and ``data`` sections are the family's own."""
+    fam = _family(family)
+    return {"model": fam.model_section, "data": fam.data_section, **SECTIONS}
 
 
-# The sections every family shares (``sections_for`` adds the family's ``model``).
+# The sections every family shares (``sections_for`` adds the family's ``model`` and ``data``).
 SECTIONS: dict[str, type] = {
-    "data": DataConfig,
     "training": TrainingConfig,
     "optimizer": OptimizerConfig,
     "precision": PrecisionConfig,

@@ -31,7 +31,7 @@ def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -
     objective, sums = state.family.loss(output, batch)
     pairs = [
         torch.as_tensor(part, device=state.device).detach().float()
-        for name in state.family.metric_names
+        for name in state.metrics
         for part in sums[name]
     ]
     totals.add_(torch.stack(pairs))
@@ -39,8 +39,8 @@ def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -
 
 
 def new_totals(state) -> torch.Tensor:
-    """``[sum, count]`` per metric of the family, in ``metric_names`` order."""
-    return torch.zeros(2 * len(state.family.metric_names), device=state.device)
+    """``[sum, count]`` per metric of the run, in ``state.metrics`` order."""
+    return torch.zeros(2 * len(state.metrics), device=state.device)
 
 
 def track_health(state, on: bool) -> None:
@@ -54,7 +54,7 @@ def track_health(state, on: bool) -> None:
 def forward_backward(state, batches: list[dict], health: bool = False) -> torch.Tensor:
     """Forward and backward over ``batches`` (this step's micro-batches, on the device);
     gradients accumulate in the parameters. Returns ``[sum, count]`` per metric (the family's
-    ``metric_names``) of the micro-batches whose loss this rank computed (zeros on pipeline
+    ``state.metrics``) of the micro-batches whose loss this rank computed (zeros on pipeline
     stages without the head).
 
     ``health``: measure FP8 cast underflow/saturation from the last micro-batch's forward on.

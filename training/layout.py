@@ -38,11 +38,6 @@ def check_layout(cfg: Config, world_size: int) -> int:
         )  # fmt: skip
     except TopologyError as err:
         raise ConfigError(f"config: {err}") from None
-    if cfg.parallel.sequence_parallel and cfg.model.seq_length % topo.tensor:
-        raise ConfigError(
-            f"config: model.seq_length={cfg.model.seq_length} is not divisible by "
-            f"parallel.tensor={topo.tensor} (sequence parallelism splits the sequence)"
-        )
     n_micro = num_microbatches(cfg, topo.data)
     try:
         layout = PipelineLayout(

@@ -66,7 +66,7 @@ def _sync_shared_embedding(state: RunState) -> None:
 def _per_metric(state: RunState, reduced: torch.Tensor, clamp: bool = False) -> dict[str, float]:
     """``{metric: sum / count}`` from the ``[sum, count, ...]`` totals of the family."""
     out = {}
-    for i, name in enumerate(state.family.metric_names):
+    for i, name in enumerate(state.metrics):
         count = reduced[2 * i + 1].clamp(min=1) if clamp else reduced[2 * i + 1]
         out[name] = float(reduced[2 * i] / count)
     return out
@@ -123,7 +123,7 @@ def train_step(
     state.scheduler.step(1)
     opt.zero_grad()
     losses = _per_metric(state, _sum_over_replicas(loss_and_tokens, state))
-    headline = state.family.metric_names[0]
+    headline = state.metrics[0]
     stats.update(loss=losses[headline], losses=losses, grad_norm=norm, skipped=not finite)
     # Wire bytes per gradient element: of the FP8 weight-gradient collectives alone when there
     # are any (the "1 byte per element" claim at W=2), and of every gradient collective
@@ -148,7 +148,10 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
     t = state.cfg.training
     topo = state.groups.topology
     state.model.eval()
-    it = micro_batches(state.valid_ds, 0, t.micro_batch_size, topo.dp_rank, topo.data)
+    workers = state.family.loader_workers(state.cfg)
+    it = micro_batches(
+        state.valid_ds, 0, t.micro_batch_size, topo.dp_rank, topo.data, num_workers=workers
+    )
     batches = []
     for _ in range(t.eval_iters * n_micro):
         try:
@@ -333,7 +336,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         enabled=logs,
         tensorboard=log.tensorboard,
         append=resume_from is not None,
-        loss_names=state.family.metric_names,
+        loss_names=state.metrics,
     )
     flops = state.family.flops_per_step(state.model_config, t.global_batch_size)
     peak, peak_source = _peak(state)
@@ -350,7 +353,10 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
     writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")
 
-    data_iter = micro_batches(state.train_ds, consumed, t.micro_batch_size, topo.dp_rank, topo.data)
+    data_iter = micro_batches(
+        state.train_ds, consumed, t.micro_batch_size, topo.dp_rank, topo.data,
+        num_workers=state.family.loader_workers(cfg),
+    )  # fmt: skip
     interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
     last = {}
     start_time = time.time()
@@ -492,6 +498,7 @@ def _log(
         "loss-scale": state.scaler.loss_scale,
         "batch-size": state.cfg.training.global_batch_size,
         "iteration-time": step_time,
+        "samples-per-second": state.cfg.training.global_batch_size / step_time,
         "throughput": tflops,
         "mfu": tflops / peak,
         "bytes-per-param": bpp.get("all", {}).get("total"),
@@ -514,7 +521,10 @@ def _log(
     m.update(_stage_memory(state))
     if logs:
         train_iters = state.cfg.training.train_iters
-        print(format_console_line(iteration, train_iters, m, family.metric_names), flush=True)
+        print(
+            format_console_line(iteration, train_iters, m, state.metrics, family.sample_unit),
+            flush=True,
+        )
         if valid is not None:
             parts = [f" validation loss at iteration {iteration}"]
             for name, value in valid.items():

@@ -17,14 +17,15 @@ _SAMPLE_TWINS = ("learning-rate", "loss-scale", "grad-norm", "batch-size")
 
 
 def format_console_line(
-    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...]
+    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...], unit: str = "samples"
 ) -> str:
     """Megatron's training log line, field for field where the field exists here; one field
-    per loss of the model family."""
+    per loss of the model family, and the samples (``unit``: images for ViT) per second."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {m['consumed-samples']:12d}",
         f"elapsed time per iteration (ms): {m['iteration-time'] * 1000:.1f}",
+        f"{unit}/s: {m['samples-per-second']:.1f}",
         f"throughput per GPU (TFLOP/s/GPU): {m['throughput']:.3f}",
         f"MFU: {m['mfu'] * 100:.2f}%",
         f"learning rate: {m['learning-rate']:.6E}",

@@ -35,6 +35,7 @@ __all__ = ["RunState", "build_run", "prepare_data", "num_microbatches", "check_l
 class RunState:
     cfg: Config
     family: ModelFamily
+    metrics: tuple[str, ...]  # the family's run_metrics(cfg): what loss() returns and the log shows
     groups: ProcessGroups
     device: torch.device
     recipe: PrecisionRecipe
@@ -52,6 +53,17 @@ class RunState:
     resumed_counters: dict | None = None
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
     engine: PipelineEngine | None = None  # None without pipeline parallelism
+
+
+def _run_metrics(family: ModelFamily, cfg: Config) -> tuple[str, ...]:
+    names = tuple(family.run_metrics(cfg))
+    declared = family.metric_names
+    if not names or names[0] != declared[0] or [n for n in declared if n in names] != list(names):
+        raise TypeError(
+            f"family {family.name!r}: run_metrics {names} must be {declared} or a subset of it "
+            f"in that order, starting with {declared[0]!r}"
+        )
+    return names
 
 
 def prepare_data(family: ModelFamily, cfg: Config, rank: int):
@@ -195,6 +207,7 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     return RunState(
         cfg=cfg,
         family=fam,
+        metrics=_run_metrics(fam, cfg),
         groups=groups,
         device=device,
         recipe=recipe,
