@@ -148,6 +148,11 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
     return groups, device
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(together: bool = True) -> None:
+    """Tear the process groups down. ``together``: a barrier first, so no rank closes its
+    connections while a peer still has traffic on them; off after an error, which may have
+    stopped only some ranks (a barrier would then wait for ones that never come)."""
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()

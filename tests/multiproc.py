@@ -10,6 +10,8 @@
   own exit code and output are seen (torchrun would add its own traceback).
 - ``full_tensors`` with ``grad_value`` / ``weight_value``: a model's gradients or weights under
   the single-process names, tensor-parallel shards gathered, FP8/FP16 storage dequantized.
+- ``end_worker``: how a spawned test worker ends: a barrier, then the process exits at once,
+  without the process group's C++ teardown (see its docstring).
 - ``RunsByWorld``: many runs batched into one set of processes per world size, started on
   first use; each rank leaves ``{name}_{level}_rank{r}.safetensors`` + ``.json`` behind.
 """
@@ -32,6 +34,7 @@ __all__ = [
     "REPO",
     "TORCHRUN",
     "RunsByWorld",
+    "end_worker",
     "free_port",
     "full_tensors",
     "tensor_parallel_errors",
@@ -62,6 +65,25 @@ def rank_env(rank: int, world: int, port: int) -> None:
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
+
+
+def end_worker() -> None:
+    """End a spawned worker that has written its results: every rank reaches a barrier, then
+    exits 0 at once (``os._exit``), skipping interpreter finalisation.
+
+    Why: a CI run saw one rank of a finished two-rank gloo worker die with SIGABRT
+    ("terminate called without an active exception") during teardown, after its work was
+    done; the test failed although every result was right. Gloo's background threads and the
+    process group's destructor race with interpreter shutdown; a worker that has nothing left
+    to do need not run that teardown at all.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import end_worker
 
 from fp8train.formats import E4M3
 from fp8train.low_precision import Fp8GradSlot
@@ -113,7 +114,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         "meter": meter.step_summary(),
     }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"W{w}")

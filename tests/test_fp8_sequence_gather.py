@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import end_worker
 
 LEVELS = ("te", "O2", "O3")
 
@@ -64,7 +65,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     ColumnParallelLinear.fp8_gather = True
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import end_worker
 
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 from parallel.pipeline.schedules import (
@@ -386,8 +387,7 @@ def _engine_worker(rank: int, world: int, init_file: str, out_dir: str, configs)
             got = [losses.get(i) for i in range(m)]
             results[f"{key}/eval_losses"] = {"equal": got == ref_losses, "got": got}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 # (schedule, micro-batches, virtual chunks) run in one set of processes per stage count: m < p,

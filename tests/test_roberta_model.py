@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import transformers  # a test dependency (requirements.txt): the independent reference
+from multiproc import end_worker
 from safetensors.torch import load_file
 
 from families.roberta import config_from_hf, config_to_hf, state_from_hf, state_to_hf
@@ -208,7 +209,7 @@ def _tp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     results = tensor_parallel_errors(TP_LEVELS, lambda ctx: RobertaModel(config, ctx), loss_of)
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

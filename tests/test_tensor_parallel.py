@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from multiproc import end_worker
 from torch import nn
 
 from fp8train.gemm import set_gemm_backend
@@ -263,7 +264,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     res["head"] = (loss.detach(), x.grad, gather_full(head.grad, 0, group))
 
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_worker()
 
 
 def _ce_inputs():

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiproc import full_tensors, grad_value
+from multiproc import end_worker, full_tensors, grad_value
 
 CASES = {
     "gpt2": dict(position_embedding_type="learned_absolute"),
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 }
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from multiproc import end_worker
 from safetensors.torch import load_file, save_file
 
 from parallel.tensor_parallel.random import (
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         gathered[key] = [p.bool() for p in parts]
     if rank == 0:
         torch.save(gathered, os.path.join(out_dir, "masks.pt"))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import transformers  # a test dependency (requirements.txt): the independent reference
+from multiproc import end_worker
 
 from families.vit import config_to_hf, load_hf, save_hf, state_from_hf, state_to_hf
 from fp8train.precision import get_recipe
@@ -244,7 +245,7 @@ def _tp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     )
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
         # Every rank hits the same check; one line from rank 0 is enough.
         if rank == "0":
             print(f"error: {err}", file=sys.stderr, flush=True)
-        destroy_distributed()
+        destroy_distributed(together=False)
         return 2
     destroy_distributed()
     return 0
