@@ -29,6 +29,14 @@ from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
 from training.optimizer import clip_grad_norm
+from training.reshard import (
+    SourceCheckpoint,
+    Target,
+    describe,
+    layout_of,
+    optimizer_targets,
+    reshard,
+)
 from training.setup import RunState, build_run, num_microbatches
 
 __all__ = ["pretrain"]
@@ -164,15 +172,16 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
 
 
 def _find_resume(cfg: Config):
-    if cfg.checkpoint.load:
-        return cfg.checkpoint.load
+    if cfg.checkpoint.load:  # a checkpoint, or a checkpoints directory (its latest)
+        return latest_checkpoint(cfg.checkpoint.load) or cfg.checkpoint.load
     if cfg.checkpoint.resume:
         return latest_checkpoint(cfg.resolved_checkpoint_dir())
     return None
 
 
-def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
-    """A checkpoint must come from the same model and level; name the first differing key."""
+def _check_compatible(cfg: Config, saved: dict, path) -> None:
+    """A checkpoint must come from the same model and level; name the first differing key.
+    The parallel layout may differ: loading reshards (training/reshard.py)."""
     now = config_to_dict(cfg)
     for section in ("model",):
         for key, value in now[section].items():
@@ -181,27 +190,6 @@ def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
                 raise ConfigError(
                     f"config: {section}.{key}={value!r} but checkpoint {path} has {old!r}"
                 )
-    for key in ("tensor", "pipeline", "virtual_pipeline"):
-        old, new = saved["config"]["parallel"].get(key), getattr(cfg.parallel, key)
-        if old != new:
-            raise ConfigError(
-                f"config: parallel.{key}={new} but checkpoint {path} was saved with {old} "
-                "(resharding checkpoints is not implemented yet)"
-            )
-    old_dist = saved["config"]["optimizer"].get("distributed", False)
-    if old_dist != cfg.optimizer.distributed:
-        raise ConfigError(
-            f"config: optimizer.distributed={str(cfg.optimizer.distributed).lower()} but "
-            f"checkpoint {path} was saved with {str(old_dist).lower()} (converting optimizer "
-            "state between the two is not implemented yet)"
-        )
-    world = cfg.parallel.tensor * cfg.parallel.pipeline
-    old_dp = saved.get("world_size", world) // world
-    if cfg.optimizer.distributed and old_dp != now_dp:
-        raise ConfigError(
-            f"config: the distributed optimizer's state in {path} is sharded over {old_dp} "
-            f"data-parallel ranks, this run has {now_dp} (resharding is not implemented yet)"
-        )
     old_level = saved["config"]["precision"]["level"]
     if old_level != cfg.precision.level:
         raise ConfigError(
@@ -210,25 +198,59 @@ def _check_compatible(cfg: Config, saved: dict, path, now_dp: int) -> None:
         )
 
 
+def _layout_now(state: RunState) -> dict:
+    topo, cfg = state.groups.topology, state.cfg
+    return {
+        "tensor": topo.tensor,
+        "pipeline": topo.pipeline,
+        "virtual_pipeline": cfg.parallel.virtual_pipeline or 1,
+        "data": topo.data,
+        "distributed": state.optimizer.distributed,
+    }
+
+
 def _restore(state: RunState, path) -> tuple[int, int]:
     topo = state.groups.topology
     metadata = read_metadata(path)
     check_format(path, metadata)
-    _check_compatible(state.cfg, metadata, path, topo.data)
-    replica = _replica_state_file(state)
-    names = (model_file(topo), optimizer_file(topo, state.optimizer.distributed))
-    ckpt = load_checkpoint(path, topo.rank, names + ((replica,) if replica else ()))
-    model_state = ckpt.files[names[0]]
-    if replica:  # this replica's own FP8 scaling state over the replicated one
-        model_state = {**model_state, **ckpt.files[replica]}
-    state.model.load_canonical_state_dict(model_state)
-    state.optimizer.load_state_tensors(ckpt.files[names[1]])
-    state.scheduler.load_state_dict(ckpt.metadata["scheduler"])
-    state.scaler.load_state_dict(ckpt.metadata["loss_scaler"])
-    if ckpt.rng:
-        restore_rng(ckpt.rng, state.device)
-    state.resumed_counters = ckpt.metadata.get("counters", {})
-    return ckpt.metadata["iteration"], ckpt.metadata["consumed_samples"]
+    _check_compatible(state.cfg, metadata, path)
+    saved, now = layout_of(metadata), _layout_now(state)
+    if saved != now:
+        _restore_resharded(state, path)
+        logs = topo.rank == topo.world_size - 1
+        _print(logs, f"resharded {path} from {describe(saved)} to {describe(now)}")
+    else:
+        replica = _replica_state_file(state)
+        names = (model_file(topo), optimizer_file(topo, state.optimizer.distributed))
+        ckpt = load_checkpoint(path, topo.rank, names + ((replica,) if replica else ()))
+        model_state = ckpt.files[names[0]]
+        if replica:  # this replica's own FP8 scaling state over the replicated one
+            model_state = {**model_state, **ckpt.files[replica]}
+        state.model.load_canonical_state_dict(model_state)
+        state.optimizer.load_state_tensors(ckpt.files[names[1]])
+        if ckpt.rng:
+            restore_rng(ckpt.rng, state.device)
+    state.scheduler.load_state_dict(metadata["scheduler"])
+    state.scaler.load_state_dict(metadata["loss_scaler"])
+    state.resumed_counters = metadata.get("counters", {})
+    return metadata["iteration"], metadata["consumed_samples"]
+
+
+def _restore_resharded(state: RunState, path) -> None:
+    """Another layout wrote ``path``: cut this rank's tensors out of it. The RNG streams
+    (dropout) restart from the seed: they belong to the ranks that wrote them. Every
+    replica takes the model file's FP8 scaling state (data-parallel rank 0's)."""
+    source = SourceCheckpoint(path)
+    model = state.model
+    layouts = model.tensor_layouts()
+    targets = {
+        name: Target(layouts[name], tuple(v.shape), v.dtype)
+        for name, v in model.canonical_state_dict().items()
+    }
+    model.load_canonical_state_dict(reshard(source, "model", targets))
+    opt = state.optimizer
+    wanted = optimizer_targets(source, opt.stepped_names(), targets)
+    opt.load_state_tensors(reshard(source, "optimizer", wanted))
 
 
 def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> None:
@@ -302,7 +324,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     family = cfg.family
     resume_from = _find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
-    saved_backend = None
+    saved_backend, saved_structure = None, None
     if resume_from is not None:  # checked before anything is built
         saved = read_metadata(resume_from)
         check_format(resume_from, saved)
@@ -312,7 +334,8 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
                 f"run trains {family!r}"
             )
         saved_backend = saved.get("fp8_gemm_backend")
-    state = build_run(cfg, gemm_backend=saved_backend)
+        saved_structure = saved.get("model_structure")
+    state = build_run(cfg, gemm_backend=saved_backend, saved_structure=saved_structure)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging
     # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.

@@ -238,6 +238,11 @@ class TrainOptimizer:
                 out[f"{self._names[id(master)]}:master"] = master.detach()
         return out
 
+    def stepped_names(self) -> list[str]:
+        """Names of the parameters this rank's optimizer steps (all of its slice's, or with
+        the distributed optimizer the ones it owns): whose state it keeps."""
+        return list(self._names.values())
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of ``state_tensors`` (same layout); an unknown name raises naming it."""
         state_dict = self.optimizer.state_dict()

@@ -6,7 +6,7 @@ resume. Every "not implemented yet" and every impossible layout fails here, befo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -127,10 +127,28 @@ def _agree_gemm_backend(choice: str, device: torch.device) -> str:
     return picked
 
 
-def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
+def _keep_padded_vocab(model_config, saved: dict | None, tensor: int):
+    """A resumed run keeps its checkpoint's padded vocabulary when this tensor-parallel size
+    divides it: the padding depends on the TP size that wrote the checkpoint, and its rows
+    take part in the softmax (as in Megatron), so other padding would change the model.
+    Otherwise the new padding applies and resharding zero-fills or drops padding rows."""
+    padded = (saved or {}).get("padded_vocab_size")
+    current = getattr(model_config, "vocab_size", None)
+    if padded is None or current is None or padded == current or padded % tensor:
+        return model_config
+    if padded < (saved.get("vocab_size") or 0):
+        return model_config
+    return replace(model_config, vocab_size=padded)
+
+
+def build_run(
+    cfg: Config, gemm_backend: str | None = None, saved_structure: dict | None = None
+) -> RunState:
     """Everything but resume, for the model family of ``cfg`` (its ``model`` section's).
     ``gemm_backend`` forces the FP8 GEMM backend (a resumed run reuses the one its checkpoint
-    used, so the loss sequence stays bit-identical)."""
+    used, so the loss sequence stays bit-identical). ``saved_structure``: the model structure
+    of the checkpoint the run resumes from (its padded vocabulary is kept, see
+    ``_keep_padded_vocab``)."""
     fam = get_family(cfg.family)
     recipe = get_recipe(cfg.precision.level)
     groups, device = init_distributed(
@@ -143,7 +161,9 @@ def build_run(cfg: Config, gemm_backend: str | None = None) -> RunState:
     )
 
     data = prepare_data(fam, cfg, topo.rank)
-    model_config = fam.model_config(cfg, data, topo.tensor)
+    model_config = _keep_padded_vocab(
+        fam.model_config(cfg, data, topo.tensor), saved_structure, topo.tensor
+    )
 
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.

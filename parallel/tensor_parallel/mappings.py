@@ -43,6 +43,7 @@ import torch.distributed as dist
 from parallel.comm_meter import CommMeter
 
 __all__ = [
+    "PlannedGroup",
     "copy_to_region",
     "reduce_from_region",
     "scatter_to_region",
@@ -66,11 +67,39 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _NATIVE_REDUCE_SCATTER = ("nccl",)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+class PlannedGroup:
+    """A tensor-parallel group as a plan, not a connection: its size and one member's rank.
+
+    Building a model slice on the meta device with it gives that slice's tensor names,
+    shapes and layouts without starting any process (tools/convert_checkpoint.py writes a
+    checkpoint for a layout it does not run). It cannot communicate: a model built on it is
+    for inspection only, and a collective on it fails in torch.distributed.
+    """
+
+    def __init__(self, size: int, rank: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of {size}")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"PlannedGroup(size={self._size}, rank={self._rank})"
+
+
+def group_size(group: dist.ProcessGroup | PlannedGroup | None) -> int:
+    if isinstance(group, PlannedGroup):
+        return group.size()
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group: dist.ProcessGroup | PlannedGroup | None) -> int:
+    if isinstance(group, PlannedGroup):
+        return group.rank()
     return 0 if group is None else dist.get_rank(group)
 
 
