@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from families.base import (
     DEFAULT_FAMILY,
+    HFImport,
     LossSums,
     ModelFamily,
+    family_for_hf,
     family_names,
     get_family,
     register_family,
@@ -19,8 +21,10 @@ from families.base import (
 
 __all__ = [
     "DEFAULT_FAMILY",
+    "HFImport",
     "LossSums",
     "ModelFamily",
+    "family_for_hf",
     "family_names",
     "get_family",
     "register_family",

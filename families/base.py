@@ -14,7 +14,9 @@ The first metric is the headline loss (NaN counting, the console line).
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -28,16 +30,40 @@ if TYPE_CHECKING:  # annotations only: families sit below training/
     from parallel.pipeline.layout import PipelineLayout
 
 __all__ = [
+    "HFImport",
     "LossSums",
+    "section_values",
     "ModelFamily",
     "RESERVED_METRICS",
     "register_family",
     "get_family",
     "family_names",
+    "family_for_hf",
     "DEFAULT_FAMILY",
 ]
 
 LossSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class HFImport:
+    """A Hugging Face model read as a family's: its model ``config``, the single-process
+    ``tensors``, the checkpoint ``structure`` (as ``checkpoint_structure`` gives it, with the
+    true vocabulary and token ids from the Hugging Face config) and the YAML ``model`` section
+    that builds the same model (``model_section``, every key explicit)."""
+
+    config: Any
+    tensors: dict[str, torch.Tensor]
+    structure: dict
+    model_section: dict
+
+
+def section_values(section: type, config: Any) -> dict:
+    """The ``model`` section keys of ``section`` read off a built model ``config`` (the
+    section's keys are the config's field names; a key the config lacks keeps its default)."""
+    return {
+        f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(section)
+    }
 
 _REGISTRY: dict[str, ModelFamily] = {}
 
@@ -70,6 +96,19 @@ class ModelFamily(ABC):
         """The metrics a run of ``cfg`` reports and ``loss`` returns: ``metric_names`` or a
         subset of it in the same order, the headline always first. Default: all of them."""
         return tuple(self.metric_names)
+
+    # Hugging Face ``config.json`` ``model_type`` values this family imports (``import_hf``).
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
+
+    def config_from_checkpoint(self, metadata: dict) -> Any:
+        """The model config a training checkpoint's ``metadata.json`` describes (its
+        ``config.model`` and ``model_structure``): what a reader builds to hold its tensors."""
+        raise NotImplementedError(f"model family {self.name!r} cannot read its checkpoints yet")
+
+    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
+        """A Hugging Face model directory of one of ``hf_model_types`` as this family's model
+        (``HFImport``); the vocabulary, if any, padded to a multiple of ``divisible_by``."""
+        raise NotImplementedError(f"model family {self.name!r} has no Hugging Face import yet")
 
     def export_hf(self, checkpoint, directory):
         """Write training checkpoint ``checkpoint`` (any layout, any level) as a Hugging Face
@@ -175,6 +214,16 @@ def _builtin() -> None:
     import families.gpt  # noqa: F401  (each registers itself)
     import families.roberta  # noqa: F401
     import families.vit  # noqa: F401
+
+
+def family_for_hf(model_type: str) -> ModelFamily:
+    """The family importing Hugging Face ``model_type`` (config.json's)."""
+    _builtin()
+    for family in _REGISTRY.values():
+        if model_type in family.hf_model_types:
+            return family
+    known = sorted(t for f in _REGISTRY.values() for t in f.hf_model_types)
+    raise ValueError(f"Hugging Face model_type {model_type!r} is not supported; known: {known}")
 
 
 def get_family(name: str) -> ModelFamily:

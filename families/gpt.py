@@ -18,7 +18,7 @@ import torch
 from data.gpt_data import build_gpt_datasets
 from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
-from families.base import LossSums, ModelFamily, register_family
+from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
 from families.config_fields import doc_field
 from families.sections import TextTransformerSection
 from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, GPTModel, pad_vocab_size
@@ -149,6 +149,24 @@ class GPTFamily(ModelFamily):
             "vocab_tensors": vocab_tensors,
             "token_ids": _token_ids(data),
         }
+
+    hf_model_types = ("gpt2", "llama")
+
+    def config_from_checkpoint(self, metadata: dict) -> GPTConfig:
+        structure = metadata["model_structure"]
+        section = GPTModelSection(**metadata["config"]["model"])
+        return section.resolved(vocab_size=structure["padded_vocab_size"])
+
+    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
+        """``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (families/gpt_hf.py)."""
+        from families.gpt_hf import import_directory
+
+        config, tensors, vocab, token_ids = import_directory(directory, divisible_by)
+        structure = {**self.checkpoint_structure(config), "vocab_size": vocab}
+        structure["token_ids"] = token_ids
+        section = section_values(GPTModelSection, config)
+        section["make_vocab_size_divisible_by"] = divisible_by
+        return HFImport(config, tensors, structure, section)
 
     def export_hf(self, checkpoint, directory):
         """GPT-2 style -> ``GPT2LMHeadModel``, Llama style -> ``LlamaForCausalLM``

@@ -485,12 +485,23 @@ def load_hf(directory: str | Path, padded_vocab_size: int | None = None, **overr
     return config, state_from_hf(_read_tensors(path), config)
 
 
+def import_directory(directory: str | Path, divisible_by: int = 128):
+    """``(GPTConfig, parameters, true vocabulary size, token ids)`` of a Hugging Face GPT-2 or
+    Llama directory, its vocabulary padded to a multiple of ``divisible_by`` (zero rows)."""
+    hf = json.loads((Path(directory) / "config.json").read_text())
+    vocab = int(hf["vocab_size"])
+    config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
+    ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    ids = {k: v if isinstance(v, int) else None for k, v in ids.items()}
+    return config, tensors, vocab, ids
+
+
 def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """A training checkpoint of the GPT family (any parallel layout, any level) as a Hugging
     Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM``: full tensors from the canonical format
     (dequantized), the model config from the checkpoint's own config and ``model_structure``.
     """
-    from families.gpt import GPTModelSection
+    from families.gpt import GPTFamily
     from training.checkpoint_format import reassemble  # the format reader: no model code
 
     meta = json.loads((Path(checkpoint) / "metadata.json").read_text())
@@ -499,8 +510,7 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not gpt")
     if structure.get("vocab_size") is None:
         raise ValueError(f"{checkpoint}: model_structure has no vocab_size (the true vocabulary)")
-    section = GPTModelSection(**meta["config"]["model"])
-    config = section.resolved(vocab_size=structure["padded_vocab_size"])
+    config = GPTFamily().config_from_checkpoint(meta)
     tensors = reassemble(checkpoint)
     params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
     return save_hf(directory, params, config, structure["vocab_size"], structure.get("token_ids"))

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
 from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
-from families.base import LossSums, ModelFamily, register_family
+from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
 from families.config_fields import doc_field
 from families.hf_qkv import fuse_qkv, split_qkv
 from families.sections import TextTransformerSection
@@ -176,6 +176,25 @@ class RobertaFamily(ModelFamily):
             keep_prob=1.0 - m.mask_replace_prob - m.random_replace_prob,
             binary_head=m.add_binary_head,
         )
+
+    hf_model_types = ("roberta",)
+
+    def config_from_checkpoint(self, metadata: dict) -> RobertaConfig:
+        structure = metadata["model_structure"]
+        section = RobertaModelSection(**metadata["config"]["model"])
+        return section.resolved(
+            vocab_size=structure["padded_vocab_size"], padding_idx=structure["padding_idx"]
+        )
+
+    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
+        """``RobertaForMaskedLM``: the vocabulary padded with zero rows."""
+        hf = json.loads((Path(directory) / "config.json").read_text())
+        vocab = int(hf["vocab_size"])
+        config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
+        structure = {**self.checkpoint_structure(config), "vocab_size": vocab}
+        section = section_values(RobertaModelSection, config)
+        section["make_vocab_size_divisible_by"] = divisible_by
+        return HFImport(config, tensors, structure, section)
 
     def export_hf(self, checkpoint, directory):
         return export_checkpoint(checkpoint, directory)
@@ -403,10 +422,7 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     structure = meta["model_structure"]
     if structure.get("family") != "roberta":
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not roberta")
-    section = RobertaModelSection(**meta["config"]["model"])
-    config = section.resolved(
-        vocab_size=structure["padded_vocab_size"], padding_idx=structure["padding_idx"]
-    )
+    config = RobertaFamily().config_from_checkpoint(meta)
     tensors = reassemble(checkpoint)
     params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
     return save_hf(directory, params, config, structure["vocab_size"])

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from families.base import LossSums, ModelFamily, register_family
+from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
 from families.config_fields import doc_field
 from families.data_sections import ImageDataSection
 from families.hf_qkv import fuse_qkv, split_qkv
@@ -160,6 +160,26 @@ class ViTFamily(ModelFamily):
 
     def loader_workers(self, cfg) -> int:
         return cfg.data.num_workers
+
+    hf_model_types = ("vit",)
+
+    def config_from_checkpoint(self, metadata: dict) -> ViTConfig:
+        structure = metadata["model_structure"]
+        section = ViTModelSection(**metadata["config"]["model"])
+        return section.resolved(
+            num_classes=structure["num_classes"], num_channels=structure["num_channels"]
+        )
+
+    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
+        """``ViTForImageClassification`` (no vocabulary: ``divisible_by`` is unused); the
+        class names come from its ``id2label``."""
+        hf = json.loads((Path(directory) / "config.json").read_text())
+        config, tensors = load_hf(directory)
+        labels = hf.get("id2label") or {}
+        classes = [labels.get(str(i), labels.get(i)) for i in range(config.num_classes)]
+        structure = self.checkpoint_structure(config)
+        structure["classes"] = classes if all(c is not None for c in classes) else None
+        return HFImport(config, tensors, structure, section_values(ViTModelSection, config))
 
     def export_hf(self, checkpoint, directory):
         return export_checkpoint(checkpoint, directory)
@@ -361,10 +381,7 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     structure = meta["model_structure"]
     if structure.get("family") != "vit":
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not vit")
-    section = ViTModelSection(**meta["config"]["model"])
-    config = section.resolved(
-        num_classes=structure["num_classes"], num_channels=structure["num_channels"]
-    )
+    config = ViTFamily().config_from_checkpoint(meta)
     tensors = reassemble(checkpoint)
     params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
     return save_hf(directory, params, config, structure.get("classes"))

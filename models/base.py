@@ -310,13 +310,17 @@ class ParallelModel(nn.Module, ABC):
         """``state_dict()`` under single-process names (this rank's slices)."""
         return {self.canonical_name(k): v for k, v in self.state_dict().items()}
 
-    def load_canonical_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of ``canonical_state_dict`` for the same layout (strict)."""
+    def load_canonical_state_dict(
+        self, tensors: dict[str, torch.Tensor], partial: bool = False
+    ) -> None:
+        """Inverse of ``canonical_state_dict`` for the same layout: strict, or with
+        ``partial`` only the given tensors (the rest keep their values). An unknown name
+        raises either way."""
         local = {self.canonical_name(k): k for k in self.state_dict()}
         unknown = sorted(set(tensors) - set(local))
         if unknown:
             raise KeyError(f"tensors this model does not have: {unknown[:3]}")
-        self.load_state_dict({local[k]: v for k, v in tensors.items()}, strict=True)
+        self.load_state_dict({local[k]: v for k, v in tensors.items()}, strict=not partial)
 
     def canonical_parameter_names(self) -> dict[int, str]:
         """id(parameter) -> single-process name."""

@@ -554,7 +554,7 @@ def test_resume_with_distributed_optimizer(tiny_data, tmp_path):
     """2 ranks, O2, delayed scaling: 6 straight iterations against 3 + resume: the same losses,
     every rank's own optimizer shard and own FP8 scaling state (replicas see different data, so
     their amax histories differ) written and read back. Resuming without the distributed
-    optimizer fails with one line naming the key."""
+    optimizer reshards the state."""
     extra = {**DIST, "training.global_batch_size": 4, "precision.fp8_recipe": "delayed"}
     config = ["--config", "configs/gpt_tiny.yaml"]
     straight = tmp_path / "straight"
@@ -570,12 +570,11 @@ def test_resume_with_distributed_optimizer(tiny_data, tmp_path):
     proc = torchrun(2, config + tiny_overrides(tiny_data, resumed, "O2", **extra))
     assert "resumed from" in proc.stdout
     assert [r["lm loss"] for r in _records(resumed)] == [r["lm loss"] for r in _records(straight)]
+    # Without the distributed optimizer the same checkpoint loads too: its shards are
+    # gathered into each replica's full optimizer state (training/reshard.py).
     replicated = {**extra, "optimizer.distributed": "false"}
     ranks = launch(2, config + tiny_overrides(tiny_data, resumed, "O2", **replicated))
     for code, _, err in ranks:
-        assert code == 2, err
-    lines = [x for x in ranks[0][2].splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "optimizer.distributed" in lines[0], lines
-    assert all(not err.strip() for _, _, err in ranks[1:])  # one line, from rank 0 only
+        assert code == 0, err
+    assert "resharded" in ranks[1][1] and "training already complete" in ranks[1][1]
     assert len(_records(resumed)) == 6  # nothing appended

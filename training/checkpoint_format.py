@@ -41,6 +41,8 @@ __all__ = [
     "slice_suffix",
     "expected_files",
     "write_tensors",
+    "write_tensors_streaming",
+    "SAFETENSORS_DTYPES",
     "read_layouts",
     "optimizer_layouts",
     "reassemble",
@@ -85,6 +87,75 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], layouts: d
         entry["dtype"] = str(value.dtype).removeprefix("torch.")
         entries[name] = entry
     save_file(own, str(path), metadata={LAYOUT_KEY: json.dumps(entries, sort_keys=True)})
+
+
+# safetensors' dtype names (its header's "dtype"), for the dtypes a checkpoint holds.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_tensors_streaming(
+    path: str | Path,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    layouts: dict,
+    tensors,
+) -> None:
+    """``write_tensors`` one tensor at a time: ``specs`` (name -> (shape, dtype)) fixes the
+    header up front, then ``tensors`` yields ``(name, tensor)`` in any order and each is
+    written and dropped, so memory holds one tensor, not the file. The result is an ordinary
+    safetensors file (offsets in name order, as safetensors itself writes). Written to
+    ``path`` + ".tmp" and renamed: an interrupted write leaves no file under ``path``."""
+    names = sorted(specs)
+    header, offset = {}, 0
+    sizes = {}
+    for name in names:
+        shape, dtype = specs[name]
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        sizes[name], offset = size, offset + size
+    entries = {}
+    for name in names:
+        entry = dict(layouts.get(name, _WHOLE))
+        entry["dtype"] = str(specs[name][1]).removeprefix("torch.")
+        entries[name] = entry
+    header["__metadata__"] = {LAYOUT_KEY: json.dumps(entries, sort_keys=True)}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+    tmp = Path(f"{path}.tmp")
+    start = 8 + len(blob)
+    seen = set()
+    with open(tmp, "wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little"))
+        fh.write(blob)
+        fh.truncate(start + offset)
+        for name, value in tensors:
+            shape, dtype = specs[name]
+            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                raise ValueError(
+                    f"{name}: got {tuple(value.shape)} {value.dtype}, header says {shape} {dtype}"
+                )
+            fh.seek(start + header[name]["data_offsets"][0])
+            data = value.detach().to("cpu").contiguous().reshape(-1)
+            fh.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            seen.add(name)
+    if seen != set(names):
+        tmp.unlink()
+        raise ValueError(f"{path}: no data for {sorted(set(names) - seen)[:3]}")
+    tmp.replace(path)
 
 
 _WHOLE = {

@@ -47,6 +47,7 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     "read_metadata",
+    "resolve_checkpoint",
     "check_format",
 ]
 
@@ -179,6 +180,20 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{pointer} names {path.name}, which has no metadata.json")
     return path
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory itself, or the newest one a checkpoints directory's ``latest``
+    names; anything else raises naming the path."""
+    path = Path(path)
+    if (path / "metadata.json").exists():
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(
+            f"{path}: not a checkpoint (no metadata.json) nor a checkpoints directory (no latest)"
+        )
+    return found
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

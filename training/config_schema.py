@@ -209,7 +209,16 @@ class CheckpointConfig(_Section):
     dir: str | None = _f(None, "Where checkpoints go; null = {logging.dir}/checkpoints.")
     save_interval: int = _f(100, "Save every N steps; 0 disables periodic saves.", ge=0)
     resume: bool = _f(True, "Resume from the latest checkpoint in checkpoint.dir if one exists.")
-    load: str | None = _f(None, "Explicit checkpoint directory to start from.")
+    load: str | None = _f(
+        None,
+        "Checkpoint (or checkpoints directory: its latest) to start from when checkpoint.dir "
+        "has none of its own yet; any parallel layout (resharded on load).",
+    )
+    finetune: bool = _f(
+        False,
+        "Take only the model weights from checkpoint.load (any level: dequantized, then stored "
+        "at this run's): fresh optimizer, scheduler, loss scale and FP8 scaling, iteration 0.",
+    )
     keep_last: int = _f(2, "Checkpoints kept in checkpoint.dir; 0 keeps all.", ge=0)
 
 

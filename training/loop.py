@@ -3,6 +3,7 @@ checkpoint, resume. Megatron semantics: the logged loss is the mean over the log
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -20,6 +21,7 @@ from training.checkpointing import (
     model_file,
     optimizer_file,
     read_metadata,
+    resolve_checkpoint,
     restore_rng,
     save_checkpoint,
 )
@@ -171,30 +173,54 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
     return _per_metric(state, _sum_over_replicas(totals, state), clamp=True)
 
 
-def _find_resume(cfg: Config):
+def _find_resume(cfg: Config) -> tuple[object, bool]:
+    """``(checkpoint or None, weights only?)``: the run's own latest checkpoint first (a
+    restarted fine-tune continues itself), else ``checkpoint.load``."""
+    own = latest_checkpoint(cfg.resolved_checkpoint_dir()) if cfg.checkpoint.resume else None
+    if own is not None:
+        return own, False
     if cfg.checkpoint.load:  # a checkpoint, or a checkpoints directory (its latest)
-        return latest_checkpoint(cfg.checkpoint.load) or cfg.checkpoint.load
-    if cfg.checkpoint.resume:
-        return latest_checkpoint(cfg.resolved_checkpoint_dir())
-    return None
+        return resolve_checkpoint(cfg.checkpoint.load), cfg.checkpoint.finetune
+    return None, False
 
 
-def _check_compatible(cfg: Config, saved: dict, path) -> None:
-    """A checkpoint must come from the same model and level; name the first differing key.
-    The parallel layout may differ: loading reshards (training/reshard.py)."""
-    now = config_to_dict(cfg)
-    for section in ("model",):
-        for key, value in now[section].items():
-            old = saved["config"][section].get(key)
-            if old != value:
-                raise ConfigError(
-                    f"config: {section}.{key}={value!r} but checkpoint {path} has {old!r}"
-                )
-    old_level = saved["config"]["precision"]["level"]
-    if old_level != cfg.precision.level:
+# Model fields that shape no tensor: a resumed or fine-tuned run may change them.
+_FREE_FIELDS = frozenset(
+    {"vocab_size", "hidden_dropout", "attention_dropout", "recompute", "init_method_std",
+     "seq_length"}
+)  # fmt: skip
+
+
+def _check_compatible(state: RunState, saved: dict, path, weights_only: bool) -> None:
+    """A checkpoint must hold this run's model (compared as built configs, so keys left at
+    their defaults match explicit ones) and, unless only its weights are taken, this run's
+    precision level; name the first differing key. The parallel layout may differ: loading
+    reshards (training/reshard.py)."""
+    try:
+        old = state.family.config_from_checkpoint(saved)
+    except NotImplementedError:  # a family without it: compare the YAML sections
+        old, now = saved["config"]["model"], config_to_dict(state.cfg)["model"]
+        pairs = ((k, v, old.get(k)) for k, v in now.items())
+    else:
+        pairs = (
+            (f.name, getattr(state.model_config, f.name), getattr(old, f.name))
+            for f in dataclasses.fields(old)
+            if f.name not in _FREE_FIELDS
+        )
+    for key, value, before in pairs:
+        if value != before:
+            raise ConfigError(f"config: model.{key}={value!r} but checkpoint {path} has {before!r}")
+    if saved.get("weights_only") and not weights_only:
         raise ConfigError(
-            f"config: precision.level={cfg.precision.level} but checkpoint {path} has "
-            f"{old_level} (converting between levels is not implemented yet)"
+            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
+            "start from it with checkpoint.finetune=true"
+        )
+    old_level = saved["config"]["precision"]["level"]
+    if old_level != state.cfg.precision.level and not weights_only:
+        raise ConfigError(
+            f"config: precision.level={state.cfg.precision.level} but checkpoint {path} has "
+            f"{old_level}; take only its weights with checkpoint.finetune=true (the optimizer "
+            "state of one level does not convert to another's)"
         )
 
 
@@ -209,11 +235,14 @@ def _layout_now(state: RunState) -> dict:
     }
 
 
-def _restore(state: RunState, path) -> tuple[int, int]:
+def _restore(state: RunState, path, weights_only: bool = False) -> tuple[int, int]:
     topo = state.groups.topology
     metadata = read_metadata(path)
     check_format(path, metadata)
-    _check_compatible(state.cfg, metadata, path)
+    _check_compatible(state, metadata, path, weights_only)
+    if weights_only:
+        _load_weights(state, path)
+        return 0, 0
     saved, now = layout_of(metadata), _layout_now(state)
     if saved != now:
         _restore_resharded(state, path)
@@ -234,6 +263,22 @@ def _restore(state: RunState, path) -> tuple[int, int]:
     state.scaler.load_state_dict(metadata["loss_scaler"])
     state.resumed_counters = metadata.get("counters", {})
     return metadata["iteration"], metadata["consumed_samples"]
+
+
+def _load_weights(state: RunState, path) -> None:
+    """The checkpoint's parameters only, in this run's layout and storage (scaled FP16/FP8
+    weights re-quantised from their FP32 values when the level differs); FP8 scaling state,
+    optimizer, scheduler and loss scaler stay fresh."""
+    source = SourceCheckpoint(path)
+    model = state.model
+    layouts = model.tensor_layouts()
+    params = set(model.canonical_parameter_names().values())
+    local = model.canonical_state_dict()
+    targets = {name: Target(layouts[name], tuple(local[name].shape), local[name].dtype)
+               for name in params}  # fmt: skip
+    model.load_canonical_state_dict(reshard(source, "model", targets), partial=True)
+    # Masters and O3's FP16 masters start from the loaded weights.
+    state.optimizer.reset_masters()
 
 
 def _restore_resharded(state: RunState, path) -> None:
@@ -322,7 +367,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
             f"(load the config with family={family!r})"
         )
     family = cfg.family
-    resume_from = _find_resume(cfg)
+    resume_from, weights_only = _find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend, saved_structure = None, None
     if resume_from is not None:  # checked before anything is built
@@ -333,8 +378,9 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
                 f"config: checkpoint {resume_from} holds a {saved.get('family')!r} model; this "
                 f"run trains {family!r}"
             )
-        saved_backend = saved.get("fp8_gemm_backend")
-        saved_structure = saved.get("model_structure")
+        if not weights_only:  # a fine-tune picks its own backend and vocabulary padding
+            saved_backend = saved.get("fp8_gemm_backend")
+            saved_structure = saved.get("model_structure")
     state = build_run(cfg, gemm_backend=saved_backend, saved_structure=saved_structure)
     topo = state.groups.topology
     t, log = cfg.training, cfg.logging
@@ -344,7 +390,10 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
 
     iteration, consumed = 0, 0
     counters = {"skipped": 0, "nan": 0}
-    if resume_from is not None:
+    if resume_from is not None and weights_only:
+        _restore(state, resume_from, weights_only=True)
+        _print(logs, f"loaded the weights of {resume_from}: fine-tuning from iteration 0")
+    elif resume_from is not None:
         iteration, consumed = _restore(state, resume_from)
         counters.update(state.resumed_counters)
         _print(logs, f"resumed from {resume_from} at iteration {iteration}")
@@ -358,7 +407,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         log.dir,
         enabled=logs,
         tensorboard=log.tensorboard,
-        append=resume_from is not None,
+        append=resume_from is not None and not weights_only,
         loss_names=state.metrics,
     )
     flops = state.family.flops_per_step(state.model_config, t.global_batch_size)

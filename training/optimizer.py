@@ -26,7 +26,14 @@ from parallel.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 
-__all__ = ["TrainOptimizer", "build_optimizer", "build_scheduler", "clip_grad_norm"]
+__all__ = [
+    "TrainOptimizer",
+    "build_optimizer",
+    "build_scheduler",
+    "clip_grad_norm",
+    "parameter_owners",
+    "trainable_parameters",
+]
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -63,7 +70,7 @@ class TrainOptimizer:
         meter=None,
     ):
         self.recipe = recipe
-        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        self.model_params = trainable_parameters(model)
         world = 1 if group is None else torch.distributed.get_world_size(group)
         rank = 0 if group is None else torch.distributed.get_rank(group)
         # Tensor-parallel shards (their squared norms are summed over the group; replicated
@@ -77,14 +84,7 @@ class TrainOptimizer:
         self.distributed = distributed and world > 1
         owners = None
         if self.distributed:
-            # Linear (GEMM) weights apart from the rest, as training/memory.py reports them:
-            # each class spread evenly, so every rank holds ~1/W of the table-governed states.
-            linear = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
-            owners = assign_owners(
-                [p.numel() for p in self.model_params],
-                world,
-                classes=[id(p) in linear for p in self.model_params],
-            )
+            owners = parameter_owners(model, self.model_params, world)
         self.owned = [owners is None or o == rank for o in (owners or [0] * len(self.model_params))]
         self.norm_group = group if self.distributed else None
         self.buffers = GradBuffers(
@@ -238,6 +238,14 @@ class TrainOptimizer:
                 out[f"{self._names[id(master)]}:master"] = master.detach()
         return out
 
+    @torch.no_grad()
+    def reset_masters(self) -> None:
+        """FP32 masters from the current weights (after the weights were replaced, e.g. by a
+        fine-tune's load); lazily made state (O3's FP16 masters) needs nothing."""
+        if self.use_master:
+            for master, p in zip(self.master_params, self.step_params):
+                master.copy_(p.detach().float())
+
     def stepped_names(self) -> list[str]:
         """Names of the parameters this rank's optimizer steps (all of its slice's, or with
         the distributed optimizer the ones it owns): whose state it keeps."""
@@ -261,6 +269,22 @@ class TrainOptimizer:
                 raise KeyError(f"optimizer state for {full_name!r}: no such parameter here")
         state_dict["state"] = restored
         self.optimizer.load_state_dict(state_dict)
+
+
+def parameter_owners(model: torch.nn.Module, params: list, world: int) -> list[int]:
+    """The distributed optimizer's owner (data-parallel rank) of each of ``params``: linear
+    (GEMM) weights apart from the rest, as training/memory.py reports them, each class spread
+    evenly, so every rank holds ~1/W of the table-governed states. Depends only on shapes:
+    a model built on the meta device gets the owners a run of it would."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    return assign_owners(
+        [p.numel() for p in params], world, classes=[id(p) in linear for p in params]
+    )
+
+
+def trainable_parameters(model: torch.nn.Module) -> list:
+    """The parameters an optimizer steps, in the order ownership is assigned."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _model_facts(model: torch.nn.Module) -> tuple[set[int], set[int], dict[int, str]]:

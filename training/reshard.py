@@ -48,6 +48,7 @@ __all__ = [
     "Target",
     "SourceCheckpoint",
     "reshard",
+    "reshard_iter",
     "optimizer_targets",
     "requantize",
     "merge_per_shard",
@@ -213,7 +214,8 @@ class _Resharder:
         if source_full != target_full:  # the vocabulary's padding differs: via the full tensor
             ranks, parts, index = list(range(s_tp)), t_tp, t_rank
         scale_name = tl.get("scale_inv")
-        if len(ranks) == 1 and src.get("scale_inv") and source_full == target_full:
+        exact = src.get("scale_inv") and scale_name and self._dtype(name, src) == target.dtype
+        if len(ranks) == 1 and exact and source_full == target_full:
             # Inside one source shard: its bytes and scale, exact.
             data = self.source.read(self.kind, name, ranks[0])
             scale = self.source.read(self.kind, src["scale_inv"], ranks[0])
@@ -225,11 +227,10 @@ class _Resharder:
         joined = _join(values, dim, blocks)
         if source_full != target_full:
             joined = self._repad(name, joined, dim, target_full)
-        value = _sub_shard(joined, dim, blocks, parts, index).contiguous()
-        if scaled or scale_name:
-            data, scale = requantize(value, target.dtype, name)
-            return {name: data, **({scale_name: scale} if scale_name else {})}
-        return {name: value.to(target.dtype)}
+        return _store(name, _sub_shard(joined, dim, blocks, parts, index).contiguous(), target)
+
+    def _dtype(self, name: str, layout: dict) -> torch.dtype:
+        return _DTYPES_BY_NAME[layout["dtype"]]
 
     def _local_shape(self, name, layout, shards) -> tuple[int, ...]:
         _, file = next(iter(shards.values()))
@@ -261,14 +262,36 @@ class _Resharder:
         value = values[0] if len(values) == 1 else merge_per_shard(name, values)
         return value.to(target.dtype)
 
-    def whole(self, name: str, target: Target) -> torch.Tensor:
+    def whole(self, name: str, target: Target) -> dict[str, torch.Tensor]:
         shards = self.source.shards(self.kind, name)
         rank = next(iter(shards))
-        layout = shards[rank][0]
-        value = self.source.read(self.kind, name, rank)
-        if layout.get("scale_inv"):  # a replicated scaled tensor: its scale travels with it
-            return value
-        return value.to(target.dtype)
+        src = shards[rank][0]
+        scale_name = target.layout.get("scale_inv")
+        if src.get("scale_inv") and scale_name and self._dtype(name, src) == target.dtype:
+            # Same storage: bytes and scale as they are.
+            data = self.source.read(self.kind, name, rank)
+            return {name: data, scale_name: self.source.read(self.kind, src["scale_inv"], rank)}
+        values, _ = self._values(name, [rank])
+        return _store(name, values[0], target)
+
+
+def _store(name: str, value: torch.Tensor, target: Target) -> dict[str, torch.Tensor]:
+    """``value`` (FP32 when it came from scaled storage) in the target's storage: re-quantised
+    with a fresh scale when the target is scaled, else cast."""
+    scale_name = target.layout.get("scale_inv")
+    if scale_name:
+        data, scale = requantize(value, target.dtype, name)
+        return {name: data, scale_name: scale}
+    return {name: value.to(target.dtype)}
+
+
+_DTYPES_BY_NAME = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+        torch.float8_e5m2, torch.int64, torch.int32, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
 
 
 def reshard(
@@ -279,27 +302,30 @@ def reshard(
     Scales named by a target's ``scale_inv`` come with their tensor; asking for a name the
     checkpoint lacks raises ``CheckpointError`` naming it.
     """
+    return dict(reshard_iter(source, kind, targets))
+
+
+def reshard_iter(source: SourceCheckpoint, kind: str, targets: dict[str, Target]):
+    """``reshard`` as a stream of ``(name, tensor)``: one tensor (and its scale) at a time."""
     worker = _Resharder(source, kind)
-    out: dict[str, torch.Tensor] = {}
     scales = {t.layout["scale_inv"] for t in targets.values() if t.layout.get("scale_inv")}
+    produced = set()
     for name, target in targets.items():
         if name in scales:
             continue  # produced with its tensor
         src = next(iter(source.shards(kind, name).values()))[0]
         tl = target.layout
         if tl["partition_dim"] is not None or src["partition_dim"] is not None:
-            out.update(worker.split_tensor(name, target))
+            out = worker.split_tensor(name, target)
         elif tl["per_shard"] or src["per_shard"]:
-            out[name] = worker.per_shard(name, target)
-        elif tl.get("scale_inv") or src.get("scale_inv"):
-            out[name] = worker.whole(name, target)
-            out[tl.get("scale_inv") or src["scale_inv"]] = source.read(kind, src["scale_inv"], 0)
+            out = {name: worker.per_shard(name, target)}
         else:
-            out[name] = worker.whole(name, target)
-    missing = [s for s in scales if s not in out]
+            out = worker.whole(name, target)
+        produced.update(out)
+        yield from out.items()
+    missing = sorted(scales - produced)
     if missing:
         raise CheckpointError(f"checkpoint {source.path}: no scale for {missing[0]!r}")
-    return out
 
 
 def optimizer_targets(

@@ -1,0 +1,59 @@
+"""One model from any checkpoint, for inference: ``load_pretrained``.
+
+A native checkpoint (any parallel layout, any precision level) is read through the canonical
+format (training/checkpoint_format.py: full tensors, scaled FP16/FP8 storage dequantized to
+FP32); a Hugging Face directory through its family's adapter (``ModelFamily.import_hf``).
+Either way the model is built once, single-process, with plain FP32 linears, and loaded
+strictly: a tensor the model lacks, or one it misses, raises naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from families.base import ModelFamily, family_for_hf, get_family
+
+__all__ = ["load_pretrained", "read_pretrained"]
+
+
+def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, torch.Tensor]]:
+    """``(family, model config, single-process tensors)`` of a native checkpoint (an
+    ``iter_*`` directory, or a checkpoints directory with ``latest``) or a Hugging Face
+    directory (``config.json`` + safetensors). FP8 scaling state is left out."""
+    from training.checkpoint_format import reassemble  # the format reader: no model code
+    from training.checkpointing import check_format, read_metadata, resolve_checkpoint
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        hf = json.loads((path / "config.json").read_text())
+        family = family_for_hf(hf.get("model_type"))
+        imported = family.import_hf(path)
+        return family, imported.config, imported.tensors
+    checkpoint = resolve_checkpoint(path)
+    metadata = read_metadata(checkpoint)
+    check_format(checkpoint, metadata)
+    family = get_family(metadata["family"])
+    config = family.config_from_checkpoint(metadata)
+    tensors = {
+        name: value
+        for name, value in reassemble(checkpoint).items()
+        if ".fp8_" not in f".{name}" and not name.endswith("_scale_inv")
+    }
+    return family, config, tensors
+
+
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A single-process model in eval mode, FP32, on ``device``, from ``path`` (see
+    ``read_pretrained``). GPT and RoBERTa map ``[batch, seq]`` token ids to ``[batch, seq,
+    padded vocab]`` logits; ViT ``[batch, channels, height, width]`` images to ``[batch,
+    classes]`` logits."""
+    from models.context import BuildContext
+    from parallel.pipeline.layout import PipelineLayout
+
+    family, config, tensors = read_pretrained(path)
+    model = family.build_model(config, BuildContext(), PipelineLayout(config.num_layers, 1, 1, 0))
+    model.load_canonical_state_dict(tensors)
+    return model.to(device).eval()
