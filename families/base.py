@@ -61,9 +61,8 @@ class HFImport:
 def section_values(section: type, config: Any) -> dict:
     """The ``model`` section keys of ``section`` read off a built model ``config`` (the
     section's keys are the config's field names; a key the config lacks keeps its default)."""
-    return {
-        f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(section)
-    }
+    return {f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(section)}
+
 
 _REGISTRY: dict[str, ModelFamily] = {}
 
