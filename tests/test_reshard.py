@@ -69,7 +69,11 @@ def runs(tiny_data, tmp_path_factory):
             load = root / f"source_{lv}" / "checkpoints" / "iter_0000003"
             resumed.append(
                 tiny_overrides(
-                    tiny_data, root / f"{name}_{lv}", lv, **COMMON, **extra,
+                    tiny_data,
+                    root / f"{name}_{lv}",
+                    lv,
+                    **COMMON,
+                    **extra,
                     **{"checkpoint.load": str(load)},
                 )  # fmt: skip
             )
