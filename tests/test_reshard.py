@@ -23,6 +23,8 @@ import torch
 from conftest import REPO, tiny_overrides
 from multiproc import end_worker, rank_env, run_ranks
 
+from training.checkpoint_format import reassemble
+from training.conversion import Layout, convert_native
 from training.reshard import _join, _sub_shard, merge_per_shard, requantize
 
 LEVELS = ("fp32", "O2")
@@ -63,7 +65,26 @@ def runs(tiny_data, tmp_path_factory):
         tiny_overrides(tiny_data, root / f"source_{lv}", lv, **COMMON, **SOURCE) for lv in LEVELS
     ]
     run_ranks(_worker, 8, (source,), timeout=600)
-    resumed = []
+    # The same step-3 checkpoint converted offline to the TP=4 layout (training/conversion.py).
+    convert_native(
+        root / "source_O2" / "checkpoints" / "iter_0000003", root / "converted_tp4",
+        Layout(tensor=4, distributed=True), progress=lambda _line: None,
+    )  # fmt: skip
+    resumed = [
+        tiny_overrides(
+            tiny_data, root / "tp4_converted_O2", "O2", **COMMON, **TARGETS["tp4"],
+            **{"checkpoint.load": str(root / "converted_tp4")},
+        ),
+        # Weights only, fp32 -> O2, TP=2 x PP=2 x DP=2 -> TP=2 x DP=2, learning rate 0: one step
+        # saves the loaded weights back in O2's storage.
+        tiny_overrides(
+            tiny_data, root / "finetune_O2", "O2", **COMMON, **{"parallel.tensor": 2},
+            **{"checkpoint.load": str(root / "source_fp32" / "checkpoints"),
+               "checkpoint.finetune": "true", "training.train_iters": 1,
+               "checkpoint.save_interval": 1, "optimizer.lr": 0.0, "optimizer.min_lr": 0.0,
+               "optimizer.lr_warmup_iters": 0},
+        ),
+    ]  # fmt: skip
     for name, extra in TARGETS.items():
         for lv in LEVELS:
             load = root / f"source_{lv}" / "checkpoints" / "iter_0000003"
@@ -91,11 +112,36 @@ def test_resharded_resume_continues_the_run(runs, target, level):
         assert abs(loss - source[step]) / source[step] <= BARS[level], (step, loss, source[step])
 
 
+def test_offline_conversion_equals_resharding_on_load(runs):
+    """tools/convert_checkpoint.py's TP=4 checkpoint resumes with bitwise the losses of the
+    run that resharded the TP=2 x PP=2 x DP=2 checkpoint on load: the same code cut both, and
+    splitting 2 -> 4 shards keeps every FP16 weight's bytes and scale."""
+    assert _losses(runs / "tp4_converted_O2") == _losses(runs / "tp4_O2")
+    source = reassemble(runs / "source_O2" / "checkpoints" / "iter_0000003")
+    converted = reassemble(runs / "converted_tp4" / "iter_0000003")
+    for name, value in source.items():
+        if value.shape == converted[name].shape:  # per-shard state is stacked per shard
+            assert torch.equal(converted[name], value), name
+
+
+def test_finetune_loads_weights_across_levels_and_layouts(runs):
+    """fp32 weights of a TP=2 x PP=2 x DP=2 run, loaded weights-only into an O2 run at TP=2 x
+    DP=2: every parameter comes back, the linear weights rounded once to their scaled FP16
+    storage (relative error <= 2**-11), everything else exact; the run starts at iteration 1."""
+    assert sorted(_losses(runs / "finetune_O2")) == [1]
+    want = reassemble(runs / "source_fp32" / "checkpoints" / "iter_0000006")
+    got = reassemble(runs / "finetune_O2" / "checkpoints" / "iter_0000001")
+    for name, value in want.items():
+        if name.endswith(".weight") and name.startswith("layers.") and value.ndim == 2:
+            err = ((got[name] - value).abs() / value.abs().clamp(min=1e-30)).max().item()
+            assert err <= 2.0**-11, (name, err)
+        else:
+            assert torch.equal(got[name], value), name
+
+
 def test_resharded_checkpoint_keeps_every_tensor(runs):
     """The resumed runs' own step-6 checkpoints hold the same tensors as the source's, each
     with its layout's shards (TP=4: four model files, one optimizer file per slice)."""
-    from training.checkpoint_format import reassemble
-
     files = {p.name for p in (runs / "tp4_O2" / "checkpoints" / "iter_0000006").iterdir()}
     assert {f"model_tp{t}.safetensors" for t in range(4)} <= files
     for kind in ("model", "optimizer"):

@@ -19,7 +19,9 @@ JSON entry per tensor saying how it relates to the full single-process tensor:
 Optimizer tensors are named ``{parameter}:{state}`` (``layers.0.mlp.fc1.weight:exp_avg``), so
 state is keyed by parameter name, not by an index that depends on grouping or ownership;
 a state with the parameter's shape is split like the parameter. ``metadata.json`` holds the
-run's config, counters and ``model_structure`` (fused tensors, the unpadded vocabulary size).
+run's config, counters and ``model_structure`` (fused tensors, the unpadded vocabulary size);
+``weights_only`` (a string saying where the weights came from) marks a checkpoint without
+optimizer state, e.g. one imported from Hugging Face.
 
 The reader below imports only torch, safetensors and json: it is the reference for tools that
 reshard or convert checkpoints.
@@ -61,7 +63,11 @@ def slice_suffix(tp_rank: int, tp: int, pp_rank: int, pp: int) -> str:
 
 def expected_files(metadata: dict, kind: str) -> list[str]:
     """The ``model``/``optimizer`` files a complete checkpoint of this metadata holds: one
-    per model slice, or per slice and data-parallel rank for the distributed optimizer."""
+    per model slice, or per slice and data-parallel rank for the distributed optimizer. A
+    weights-only checkpoint (``weights_only`` in its metadata: an imported model) has no
+    optimizer files."""
+    if kind == "optimizer" and metadata.get("weights_only"):
+        return []
     parallel = metadata["config"]["parallel"]
     tp, pp = parallel["tensor"], parallel["pipeline"]
     dp = metadata.get("world_size", tp * pp) // (tp * pp)

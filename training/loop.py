@@ -196,6 +196,11 @@ def _check_compatible(state: RunState, saved: dict, path, weights_only: bool) ->
     their defaults match explicit ones) and, unless only its weights are taken, this run's
     precision level; name the first differing key. The parallel layout may differ: loading
     reshards (training/reshard.py)."""
+    if saved.get("weights_only") and not weights_only:
+        raise ConfigError(
+            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
+            "start from it with checkpoint.finetune=true"
+        )
     try:
         old = state.family.config_from_checkpoint(saved)
     except NotImplementedError:  # a family without it: compare the YAML sections
@@ -210,11 +215,6 @@ def _check_compatible(state: RunState, saved: dict, path, weights_only: bool) ->
     for key, value, before in pairs:
         if value != before:
             raise ConfigError(f"config: model.{key}={value!r} but checkpoint {path} has {before!r}")
-    if saved.get("weights_only") and not weights_only:
-        raise ConfigError(
-            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
-            "start from it with checkpoint.finetune=true"
-        )
     old_level = saved["config"]["precision"]["level"]
     if old_level != state.cfg.precision.level and not weights_only:
         raise ConfigError(

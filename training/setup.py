@@ -28,7 +28,14 @@ from training.config import Config, ConfigError
 from training.layout import check_layout, num_microbatches
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
 
-__all__ = ["RunState", "build_run", "prepare_data", "num_microbatches", "check_layout"]
+__all__ = [
+    "RunState",
+    "build_run",
+    "prepare_data",
+    "num_microbatches",
+    "check_layout",
+    "scaling_recipe",
+]
 
 
 @dataclass
@@ -90,7 +97,7 @@ def prepare_data(family: ModelFamily, cfg: Config, rank: int):
     return prepared
 
 
-def _scaling(cfg: Config) -> ScalingRecipe:
+def scaling_recipe(cfg: Config) -> ScalingRecipe:
     p = cfg.precision
     return ScalingRecipe(
         mode=p.fp8_recipe,
@@ -172,7 +179,7 @@ def build_run(
         model_parallel_seed(cfg.training.seed, topo.tp_rank, device)
     ctx = BuildContext(
         recipe,
-        _scaling(cfg),
+        scaling_recipe(cfg),
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
