@@ -96,6 +96,10 @@ class ModelFamily(ABC):
         subset of it in the same order, the headline always first. Default: all of them."""
         return tuple(self.metric_names)
 
+    # The entry of the model's output dict that holds the logits (RoBERTa "lm", ViT
+    # "logits"); None: the model returns the logits tensor itself (GPT without labels).
+    # ``load_pretrained`` returns a model that gives that tensor.
+    logits_output: ClassVar[str | None] = None
     # Hugging Face ``config.json`` ``model_type`` values this family imports (``import_hf``).
     hf_model_types: ClassVar[tuple[str, ...]] = ()
 

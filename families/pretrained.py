@@ -16,7 +16,7 @@ import torch
 
 from families.base import ModelFamily, family_for_hf, get_family
 
-__all__ = ["load_pretrained", "read_pretrained"]
+__all__ = ["LogitsOf", "load_pretrained", "read_pretrained"]
 
 
 def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, torch.Tensor]]:
@@ -56,4 +56,22 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu") -> tor
     family, config, tensors = read_pretrained(path)
     model = family.build_model(config, BuildContext(), PipelineLayout(config.num_layers, 1, 1, 0))
     model.load_canonical_state_dict(tensors)
+    if family.logits_output is not None:
+        model = LogitsOf(model, family.logits_output)
     return model.to(device).eval()
+
+
+class LogitsOf(torch.nn.Module):
+    """A model whose forward returns a dict, as one returning the entry ``key`` (the
+    logits): ``model`` and its ``config`` stay reachable."""
+
+    def __init__(self, model: torch.nn.Module, key: str):
+        super().__init__()
+        self.model, self.key = model, key
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.model(*args, **kwargs)[self.key]

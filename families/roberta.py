@@ -177,6 +177,7 @@ class RobertaFamily(ModelFamily):
             binary_head=m.add_binary_head,
         )
 
+    logits_output = "lm"
     hf_model_types = ("roberta",)
 
     def config_from_checkpoint(self, metadata: dict) -> RobertaConfig:

@@ -161,6 +161,7 @@ class ViTFamily(ModelFamily):
     def loader_workers(self, cfg) -> int:
         return cfg.data.num_workers
 
+    logits_output = "logits"
     hf_model_types = ("vit",)
 
     def config_from_checkpoint(self, metadata: dict) -> ViTConfig:
