@@ -19,8 +19,9 @@ parameter name). Layout of ``checkpoint.dir``::
 
 ``{slice}`` names a rank's model slice (``slice_name``): empty for one process, ``_tp1``,
 ``_pp0``, ``_tp1_pp0``. Nothing is ever unpickled: tensors come back through safetensors, the
-rest through JSON. A crash mid-save leaves only a ``.tmp_*`` directory, which the next save
-replaces and loading ignores.
+rest through JSON. Files are flushed to disk before a checkpoint is published, and ``latest``
+names a complete checkpoint at every moment (``save_checkpoint``): a crash mid-save leaves
+the previous checkpoint current and a ``.tmp_*`` directory that the next save replaces.
 """
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ def save_checkpoint(
 
     ``files``: file name -> (tensors, their layouts) that THIS rank writes (the caller picks:
     one writer per file, see the module doc); each rank also writes its RNG states.
+
+    Crash safety: every file is flushed to disk (fsync) before the directory is published,
+    and ``latest`` names a complete checkpoint at every moment, a re-save of the iteration it
+    names included (``_publish``); a kill at any point leaves the previous or the new one.
     """
     root = Path(directory)
     name = f"iter_{iteration:07d}"
@@ -140,26 +145,88 @@ def save_checkpoint(
     final = root / name
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    written = []
     for file_name, (tensors, layouts) in files.items():
         write_tensors(tmp / file_name, tensors, layouts)
-    save_file(_own_tensors(rng_state_tensors(device)), str(tmp / f"rng_rank{rank}.safetensors"))
+        written.append(tmp / file_name)
+    rng_file = tmp / f"rng_rank{rank}.safetensors"
+    save_file(_own_tensors(rng_state_tensors(device)), str(rng_file))
+    written.append(rng_file)
     if rank == 0:
         meta = dict(metadata, iteration=iteration, format_version=FORMAT_VERSION)
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        written.append(tmp / "metadata.json")
+    for path in written:
+        _fsync(path)
     _barrier()
     if rank == 0:
-        if final.exists():  # re-saving the same iteration (e.g. after a resume): replace
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / ".latest.tmp"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, root / "latest")
+        _fsync(tmp)
+        _publish(root, tmp, final)
         _prune(root, keep_last)
     _barrier()
     return final
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_pointer(root: Path, name: str) -> None:
+    pointer = root / ".latest.tmp"
+    pointer.write_text(name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / "latest")
+    _fsync(root)
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` into place and point ``latest`` at it.
+
+    A first save of an iteration: rename, then move the pointer (a kill in between leaves the
+    pointer on the previous checkpoint). A re-save of an existing iteration (a run restarted
+    from scratch into the same directory): the pointer first names ``tmp`` itself, then the old
+    directory moves aside and ``tmp`` takes its name; ``latest_checkpoint`` follows a pointer
+    to ``.tmp_NAME`` that no longer exists to ``NAME``, which it was renamed to, so the pointer
+    names a complete checkpoint throughout.
+    """
+    if not final.exists():
+        os.replace(tmp, final)
+        _fsync(root)
+        _write_pointer(root, final.name)
+        return
+    _write_pointer(root, tmp.name)
+    old = root / f".old_{final.name}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(root)
+    _write_pointer(root, final.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover(root: Path) -> None:
+    """Finish a publication a kill interrupted (the pointer names a ``.tmp_`` directory), then
+    drop the debris of killed saves; rank 0, before a new save writes anything."""
+    pointer = root / "latest"
+    name = pointer.read_text().strip() if pointer.exists() else ""
+    if name.startswith(".tmp_"):
+        tmp, final = root / name, root / name.removeprefix(".tmp_")
+        if tmp.exists():
+            _publish(root, tmp, final)
+        elif final.exists():
+            _write_pointer(root, final.name)
+    # What is left is debris of killed saves: no pointer names it any more.
+    for debris in [*root.glob(".old_iter_*"), *root.glob(".tmp_iter_*")]:
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -171,12 +238,17 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint the ``latest`` pointer names, or None when there is none yet."""
+    """The checkpoint the ``latest`` pointer names, or None when there is none yet. A pointer
+    to ``.tmp_NAME`` (a re-save interrupted mid-publication, see ``_publish``) names that
+    directory while it exists and ``NAME`` once it has been renamed."""
     root = Path(directory)
     pointer = root / "latest"
     if not pointer.exists():
         return None
-    path = root / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    path = root / name
+    if not path.exists() and name.startswith(".tmp_"):
+        path = root / name.removeprefix(".tmp_")
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{pointer} names {path.name}, which has no metadata.json")
     return path
