@@ -71,6 +71,18 @@ def test_empty_file_means_defaults(tmp_path):
     assert load_config(_write(tmp_path, "model:\n")) == Config()
 
 
+def test_warmup_fraction_fits_a_shortened_run_and_explicit_warmup_is_checked():
+    """Only ``training.train_iters`` overridden: the shipped warm-up fraction shrinks with the
+    run (20 of 300 steps, 0 of 10); an explicit warm-up that does not fit stays an error."""
+    path = str(ROOT / "configs" / "gpt_tiny.yaml")
+    assert load_config(path).resolved_lr_warmup_iters() == 20
+    assert load_config(path, ["training.train_iters=10"]).resolved_lr_warmup_iters() == 0
+    assert load_config(path, ["training.train_iters=60"]).resolved_lr_warmup_iters() == 4
+    assert load_config(path, ["optimizer.lr_warmup_iters=5"]).resolved_lr_warmup_iters() == 5
+    with pytest.raises(ConfigError, match="optimizer.lr_warmup_iters"):
+        load_config(path, ["training.train_iters=10", "optimizer.lr_warmup_iters=20"])
+
+
 def test_resolved_values():
     tiny = load_config(str(ROOT / "configs" / "llama_tiny.yaml"))
     m = tiny.model

@@ -263,15 +263,17 @@ _RULES = [
     " needs `parallel.pipeline` > 1.",
     "- `training.global_batch_size` divisible by `training.micro_batch_size` (and, at launch, by"
     " micro batch × data-parallel size).",
-    "- `optimizer.lr` ≥ `optimizer.min_lr`; `optimizer.lr_warmup_iters` ≤"
-    " `optimizer.lr_decay_iters` when the latter is set.",
+    "- `optimizer.lr` ≥ `optimizer.min_lr`; an explicit `optimizer.lr_warmup_iters` <"
+    " the decay length (`optimizer.lr_decay_iters`, else `training.train_iters`); a null one"
+    " is `optimizer.lr_warmup_fraction` of it, rounded down.",
     "- `precision.max_loss_scale` ≥ `precision.initial_loss_scale` ≥ `precision.min_loss_scale`.",
     "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model`.",
     "",
     "Values the code resolves from nulls: `cfg.model.query_groups()`,"
     " `cfg.model.kv_channels_or_default()`, `cfg.model.ffn_size()`, `cfg.model.max_positions()`,"
     " `cfg.model.padded_vocab_size(vocab, tensor)`, `cfg.resolved_checkpoint_dir()`,"
-    " `cfg.resolved_lr_decay_iters()`, `cfg.data.split_weights()`.",
+    " `cfg.resolved_lr_decay_iters()`, `cfg.resolved_lr_warmup_iters()`,"
+    " `cfg.data.split_weights()`.",
     "",
 ]
 

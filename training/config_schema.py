@@ -15,6 +15,7 @@ Loading, overrides and the generated reference live in ``training/config.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -91,7 +92,20 @@ class OptimizerConfig(_Section):
     adam_beta1: float = _f(0.9, "Adam beta1.", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "Adam beta2.", ge=0, lt=1)
     adam_eps: float = _f(1e-8, "Adam epsilon.", gt=0)
-    lr_warmup_iters: int = _f(20, "Linear warm-up steps from 0 to optimizer.lr.", ge=0)
+    lr_warmup_iters: int | None = _f(
+        None,
+        "Linear warm-up steps from 0 to optimizer.lr; null = optimizer.lr_warmup_fraction of "
+        "the decay length.",
+        ge=0,
+    )
+    lr_warmup_fraction: float = _f(
+        0.0667,
+        "Warm-up as a fraction of the decay length (Megatron's --lr-warmup-fraction; rounded "
+        "down), used when optimizer.lr_warmup_iters is null: a shortened run keeps a warm-up "
+        "that fits.",
+        ge=0,
+        lt=1,
+    )
     lr_decay_iters: int | None = _f(
         None, "Step at which the decay reaches min_lr; null = training.train_iters.", ge=1
     )
@@ -109,7 +123,8 @@ class OptimizerConfig(_Section):
             )
         # Only an explicit decay length is checked: shortening train_iters for a smoke run
         # must not trip over the warm-up of the shipped config.
-        if self.lr_decay_iters is not None and self.lr_warmup_iters > self.lr_decay_iters:
+        warmup = self.lr_warmup_iters
+        if self.lr_decay_iters is not None and warmup is not None and warmup > self.lr_decay_iters:
             raise self._err(
                 f"optimizer.lr_warmup_iters ({self.lr_warmup_iters}) must be <= "
                 f"optimizer.lr_decay_iters ({self.lr_decay_iters})"
@@ -246,7 +261,7 @@ class Config:
 
         # megatron-core's scheduler asserts this; say it in the config's own words instead.
         decay = self.resolved_lr_decay_iters()
-        if self.optimizer.lr_warmup_iters >= decay:
+        if self.optimizer.lr_warmup_iters is not None and self.optimizer.lr_warmup_iters >= decay:
             raise ConfigError(
                 f"config: optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) must be "
                 f"less than the decay length {decay} (optimizer.lr_decay_iters, else "
@@ -263,6 +278,14 @@ class Config:
 
     def resolved_lr_decay_iters(self) -> int:
         return self.optimizer.lr_decay_iters or self.training.train_iters
+
+    def resolved_lr_warmup_iters(self) -> int:
+        """Explicit warm-up steps, else the warm-up fraction of the decay length (rounded
+        down, so always shorter than the decay)."""
+        o = self.optimizer
+        if o.lr_warmup_iters is not None:
+            return o.lr_warmup_iters
+        return math.floor(o.lr_warmup_fraction * self.resolved_lr_decay_iters())
 
 
 def _family(family: str | None):

@@ -312,15 +312,18 @@ def build_optimizer(model, recipe: PrecisionRecipe, opt_cfg, **buffers) -> Train
 
 
 def build_scheduler(
-    optimizer: TrainOptimizer, opt_cfg, decay_iters: int
+    optimizer: TrainOptimizer, opt_cfg, decay_iters: int, warmup_iters: int | None = None
 ) -> OptimizerParamScheduler:
-    """Warmup + decay via megatron-core's scheduler, stepped once per iteration."""
+    """Warmup + decay via megatron-core's scheduler, stepped once per iteration.
+    ``warmup_iters``: default ``opt_cfg.lr_warmup_iters`` (the config's resolved value)."""
+    if warmup_iters is None:
+        warmup_iters = opt_cfg.lr_warmup_iters or 0
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=opt_cfg.lr,
         min_lr=opt_cfg.min_lr,
-        lr_warmup_steps=opt_cfg.lr_warmup_iters,
+        lr_warmup_steps=warmup_iters,
         lr_decay_steps=decay_iters,
         lr_decay_style=opt_cfg.lr_decay_style,
         start_wd=opt_cfg.weight_decay,

@@ -224,7 +224,9 @@ def build_run(
         held=model.shared_parameters(),
         meter=meter,
     )
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters())
+    scheduler = build_scheduler(
+        optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters(), cfg.resolved_lr_warmup_iters()
+    )
 
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size
