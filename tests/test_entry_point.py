@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from conftest import REPO, tiny_overrides
+from multiproc import launch
 
 from training.config import load_config
 from training.loop import pretrain
@@ -166,3 +167,23 @@ def test_two_rank_o2_matches_one_rank_and_sends_fp8(tiny_data, tmp_path):
         per_element = record["wire-bytes-per-element"]
         assert per_element["all_gather_fp8"] == pytest.approx(1.0, abs=1e-3)  # + padding
         assert 1.0 <= per_element["reduce_scatter_fp8"] <= 1.02
+
+
+def test_a_run_that_keeps_skipping_steps_stops_with_one_line(tiny_data, tmp_path):
+    """A learning rate of 1e30 makes every step after the first non-finite: after
+    training.max_consecutive_skips skipped steps in a row, both ranks stop at the same
+    iteration, exit 1, and rank 0 prints one line naming the first non-finite gradient."""
+    overrides = tiny_overrides(
+        tiny_data, tmp_path, "fp32",
+        **{"optimizer.lr": 1e30, "optimizer.min_lr": 0.0, "training.max_consecutive_skips": 3,
+           "training.train_iters": 20, "checkpoint.save_interval": 0},
+    )  # fmt: skip
+    ranks = launch(2, ["--config", "configs/gpt_tiny.yaml", *overrides])
+    for code, _, err in ranks:
+        assert code == 1, err[-3000:]
+    lines = [x for x in ranks[0][2].splitlines() if x.strip() and "Warning" not in x]
+    lines = [x for x in lines if not x.startswith("  warnings.warn")]
+    assert len(lines) == 1 and lines[0].startswith("error: training: 3 consecutive"), lines
+    assert "training.max_consecutive_skips=3" in lines[0] and "(rank " in lines[0], lines
+    assert not ranks[1][2].strip() or "error:" not in ranks[1][2]
+    print("\n" + lines[0])

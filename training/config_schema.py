@@ -72,6 +72,12 @@ class TrainingConfig(_Section):
     time_limit_minutes: float | None = _f(
         None, "Stop (after saving) once this much wall time has passed.", gt=0
     )
+    max_consecutive_skips: int = _f(
+        100,
+        "Stop with an error after this many consecutive skipped steps (non-finite gradients); "
+        "0 = never. 100 leaves room for a dynamic loss scale to fall from 65536 to 1.",
+        ge=0,
+    )
 
     def _check(self) -> None:
         if self.global_batch_size % self.micro_batch_size:

@@ -25,12 +25,11 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
     from parallel.topology import TopologyError, destroy_distributed
     from training.checkpointing import CheckpointError
     from training.config import ConfigError, load_config
+    from training.loop import TrainingError, pretrain
 
     rank = os.environ.get("RANK", "0")
     try:
         cfg = load_config(args.config, args.overrides, family)
-        from training.loop import pretrain
-
         pretrain(cfg, family=family)
     except (ConfigError, TopologyError, CheckpointError) as err:
         # Every rank hits the same check; one line from rank 0 is enough.
@@ -38,5 +37,10 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
             print(f"error: {err}", file=sys.stderr, flush=True)
         destroy_distributed(together=False)
         return 2
+    except TrainingError as err:  # raised on every rank at the same step
+        if rank == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        destroy_distributed(together=False)
+        return 1
     destroy_distributed()
     return 0

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
+from fp8train.optim_states import grad_of
 from training.checkpoint_format import optimizer_layouts
 from training.checkpointing import (
     check_format,
@@ -41,7 +42,7 @@ from training.reshard import (
 )
 from training.setup import RunState, build_run, num_microbatches
 
-__all__ = ["pretrain"]
+__all__ = ["TrainingError", "pretrain"]
 
 
 def _print(rank_logs: bool, *args) -> None:
@@ -125,6 +126,8 @@ def train_step(
     finite = math.isfinite(norm)
     if finite:
         opt.step()
+    else:  # named before the gradients are zeroed, for the error if skips go on
+        stats["nonfinite"] = _first_nonfinite_gradient(state)
     comm = state.meter.step_summary()  # after the step: includes the weights' all-gather
     if state.bytes_per_param is None and finite:
         # Measured once, after the step (optimizer states exist) while gradients are alive.
@@ -135,6 +138,7 @@ def train_step(
     losses = _per_metric(state, _sum_over_replicas(loss_and_tokens, state))
     headline = state.metrics[0]
     stats.update(loss=losses[headline], losses=losses, grad_norm=norm, skipped=not finite)
+    stats.setdefault("nonfinite", None)
     # Wire bytes per gradient element: of the FP8 weight-gradient collectives alone when there
     # are any (the "1 byte per element" claim at W=2), and of every gradient collective
     # together (neither the pipeline's activation sends nor the weights' all-gather are
@@ -149,6 +153,47 @@ def train_step(
     stats["wire"] = fp8_bytes / fp8_elements if fp8_elements else None
     stats["wire_all"] = grad_bytes / max(all_elements, 1)
     return stats
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (e.g. diverged); the message says why and what to change."""
+
+
+def _first_nonfinite_gradient(state: RunState) -> str:
+    """``"{name} (rank r)"`` of the first parameter whose gradient is not finite, the lowest
+    rank that holds one first; "none found" when only the norm overflowed. Collective."""
+    opt, found = state.optimizer, ""
+    for name, p in opt.param_names.items():
+        main = getattr(p, "main_grad", None)  # the FP32 buffer view, or an FP8 slot
+        grad = main if isinstance(main, torch.Tensor) else grad_of(p)
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            found = name
+            break
+    if not dist.is_initialized():
+        return found or "none found"
+    code = torch.zeros(256, dtype=torch.uint8)
+    raw = found.encode()[:256]
+    code[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    code = code.to(state.device)
+    every = [torch.empty_like(code) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, code)
+    for rank, item in enumerate(every):
+        name = bytes(item.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        if name:
+            return f"{name} (rank {rank})"
+    return "none found"
+
+
+def _check_skips(state: RunState, consecutive: int, iteration: int, stats: dict) -> None:
+    limit = state.cfg.training.max_consecutive_skips
+    if limit and consecutive >= limit:
+        raise TrainingError(
+            f"training: {consecutive} consecutive steps skipped for non-finite gradients, up to "
+            f"iteration {iteration} (training.max_consecutive_skips={limit}); first non-finite "
+            f"gradient: {stats['nonfinite']}; loss {stats['loss']:.4g}, loss scale "
+            f"{state.scaler.loss_scale:g}. Lower optimizer.lr, check the data, or resume from "
+            "an earlier checkpoint"
+        )
 
 
 @torch.no_grad()
@@ -433,6 +478,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     last = {}
     start_time = time.time()
     printed_bytes = False
+    consecutive = 0  # skipped steps in a row
     while iteration < t.train_iters:
         health_every = log.fp8_stats_interval or log.interval
         fp8_log = (
@@ -455,6 +501,8 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         iteration += 1
         consumed += t.global_batch_size
         counters["skipped"] += int(stats["skipped"])
+        consecutive = consecutive + 1 if stats["skipped"] else 0
+        _check_skips(state, consecutive, iteration, stats)
         counters["nan"] += int(not math.isfinite(stats["loss"]))
         for name, value in stats["losses"].items():
             interval_loss[name] = interval_loss.get(name, 0.0) + value
