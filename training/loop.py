@@ -29,6 +29,7 @@ from training.checkpointing import (
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 from training.forward_backward import forward_backward, forward_only
+from training.machine_cache import remember
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
 from training.optimizer import clip_grad_norm
@@ -400,7 +401,8 @@ def _peak(state: RunState) -> tuple[float, str]:
     known = peak_tflops_for(name, state.recipe.gemm)
     if known is not None:
         return known, f"dense {state.recipe.gemm} peak of {name}"
-    return measure_cpu_peak_tflops(), f"measured fp32 matmul rate of {name}"
+    peak, source = remember("fp32-matmul-tflops", state.device, measure_cpu_peak_tflops)
+    return float(peak), f"fp32 matmul rate of {name}, {source}"
 
 
 def pretrain(cfg: Config, family: str | None = None) -> dict:
