@@ -33,6 +33,7 @@ from data.indexed import check_prefix, dataset_prefix, read_index_stats, write_i
 from data.tokenizer import (
     DEFAULT_MAX_SENTENCES,
     SentencePieceTokenizer,
+    load_tokenizer,
     train_sentencepiece,
     trainer_options,
 )
@@ -64,6 +65,12 @@ class PreparedData:
     key: str  # the json key / dataset key, "text"
     num_documents: int
     num_tokens: int
+    # How to open tokenizer_model (data.tokenizer.load_tokenizer); built caches are SentencePiece.
+    tokenizer_type: str = "sentencepiece"
+
+    def tokenizer(self):
+        """The tokenizer (``load_tokenizer(tokenizer_type, tokenizer_model)``)."""
+        return load_tokenizer(self.tokenizer_type, self.tokenizer_model)
 
 
 def cache_key(
@@ -219,19 +226,23 @@ def prepare_default_data(
 
 
 def prepare_data_from_prefix(
-    data_prefix: str | os.PathLike[str], tokenizer_model: str | os.PathLike[str]
+    data_prefix: str | os.PathLike[str],
+    tokenizer_model: str | os.PathLike[str],
+    tokenizer_type: str = "sentencepiece",
 ) -> PreparedData:
-    """Validate a user-given ``{prefix}.bin/.idx`` + SentencePiece model and describe them.
+    """Validate a user-given ``{prefix}.bin/.idx`` + its tokenizer and describe them.
 
-    Raises FileNotFoundError naming the missing file, or ValueError when the token dtype of
-    the index cannot hold the tokenizer's ids.
+    ``tokenizer_type``: "sentencepiece" (``tokenizer_model`` is a ``.model`` file) or
+    "huggingface" (a ``tokenizer.json`` or its directory). Raises FileNotFoundError naming the
+    missing file, or ValueError when the tokenizer is unusable (no end-of-document token) or
+    the token dtype of the index cannot hold the tokenizer's ids.
     """
     prefix = os.fspath(data_prefix)
-    if not os.path.isfile(tokenizer_model):
-        raise FileNotFoundError(f"tokenizer model not found: {os.fspath(tokenizer_model)!r}")
+    tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
+    _ = tokenizer.eod  # documents end with it: a tokenizer without one fails here, not later
     check_prefix(prefix)
     stats = read_index_stats(prefix)
-    vocab_size = SentencePieceTokenizer(tokenizer_model).vocab_size
+    vocab_size = tokenizer.vocab_size
     if stats.dtype.kind in "ui" and vocab_size - 1 > np.iinfo(stats.dtype).max:
         raise ValueError(
             f"{prefix}.idx stores {stats.dtype.name} tokens but the tokenizer has {vocab_size} ids"
@@ -245,6 +256,7 @@ def prepare_data_from_prefix(
         key=key,
         num_documents=stats.num_documents,
         num_tokens=stats.num_tokens,
+        tokenizer_type=tokenizer_type,
     )
 
 
@@ -266,7 +278,9 @@ def prepare_text_data(data_cfg, seed: int, rank: int, control_symbols: Sequence[
             )
         return prepared
     try:
-        return prepare_data_from_prefix(data_cfg.data_prefix, data_cfg.tokenizer_model)
+        return prepare_data_from_prefix(
+            data_cfg.data_prefix, data_cfg.tokenizer_model, data_cfg.tokenizer_type
+        )
     except (FileNotFoundError, ValueError) as err:
         key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
         raise ValueError(f"{key}: {err}") from None

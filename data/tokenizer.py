@@ -1,4 +1,6 @@
-"""SentencePiece tokenizer for code: trained locally, deterministic, lossless on decode.
+"""Tokenizers: SentencePiece for code (trained locally, deterministic, lossless on decode) and
+Hugging Face ``tokenizer.json`` files (:class:`HFTokenizer`, a converted model's own vocabulary),
+both behind one interface; :func:`load_tokenizer` opens either from a path.
 
 Training settings that matter for source code (all in :data:`TRAINER_OPTIONS`):
 
@@ -16,12 +18,18 @@ Training settings that matter for source code (all in :data:`TRAINER_OPTIONS`):
 
 Special ids: ``<unk>``=0, ``<s>``=1, ``</s>``=2 (the end-of-document token, ``eod``),
 ``<pad>``=3, ``"\\n"``=4; byte pieces follow.
+
+The interface (both classes): ``vocab_size``, ``eod`` (= ``eos``), ``bos``, ``pad``, ``unk``,
+``mask``, ``newline`` (-1 for a role the vocabulary lacks, except ``eod``), ``encode``,
+``encode_batch``, ``decode``, ``id_to_piece``, ``tokenize``/``detokenize``, pickling, and
+``unique_identifiers`` (a content fingerprint keying megatron's index caches).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import random
 from collections import OrderedDict
@@ -34,9 +42,16 @@ import sentencepiece as spm
 __all__ = [
     "TRAINER_OPTIONS",
     "DEFAULT_MAX_SENTENCES",
+    "TOKENIZER_TYPES",
     "train_sentencepiece",
     "SentencePieceTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
 ]
+
+# The ``data.tokenizer_type`` values; ``load_tokenizer`` also takes "auto".
+TOKENIZER_TYPES = ("sentencepiece", "huggingface")
+HF_TOKENIZER_FILE = "tokenizer.json"
 
 # Part of the data cache key (data/prepare.py): change any value and caches rebuild.
 TRAINER_OPTIONS: dict[str, object] = {
@@ -146,11 +161,21 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_path: str | os.PathLike[str]) -> None:
         path = Path(model_path)
+        if (path / HF_TOKENIZER_FILE).is_file() or (path.is_file() and path.suffix == ".json"):
+            # SentencePiece's own parse error is a multi-line C++ assertion; say what to do.
+            raise ValueError(
+                f"tokenizer model {str(path)!r} is a Hugging Face tokenizer, not a "
+                "SentencePiece model: use tokenizer type 'huggingface'"
+            )
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {str(path)!r}")
         blob = path.read_bytes()
         self.model_path = path
-        self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=blob)
+        except RuntimeError:
+            msg = f"tokenizer model {str(path)!r} is not a SentencePiece model"
+            raise ValueError(msg) from None
         if self._sp.eos_id() < 0:
             raise ValueError(f"tokenizer model {str(path)!r} has no </s> piece to use as EOD")
         # Keys megatron's sample-index cache. The content hash, not the path: every rank must
@@ -231,3 +256,276 @@ class SentencePieceTokenizer:
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({str(self.model_path)!r}, vocab_size={self.vocab_size})"
+
+
+# Hugging Face files next to tokenizer.json that say which special token plays which role.
+_HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_ROLES = ("bos", "eos", "pad", "unk", "mask")
+# Without config files naming roles, roles are looked up among the tokenizer's special tokens
+# by these usual names, first match wins. GPT-2's lone <|endoftext|> is both bos and eos.
+_ROLE_NAMES: dict[str, tuple[str, ...]] = {
+    "bos": ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>", "<|endoftext|>", "[CLS]"),
+    "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+    "unk": ("<unk>", "[UNK]", "<|unk|>"),
+    "mask": ("<mask>", "[MASK]"),
+}
+# BERT-style configs name no bos/eos; their cls/sep tokens play those parts in a document.
+_ROLE_FALLBACK_KEYS = {"bos": "cls_token", "eos": "sep_token"}
+
+
+def _hf_files(path: Path) -> tuple[Path, Path]:
+    """(tokenizer.json, the directory searched for the config files)."""
+    if path.is_dir():
+        json_path = path / HF_TOKENIZER_FILE
+        if not json_path.is_file():
+            raise FileNotFoundError(f"tokenizer directory {str(path)!r} has no {HF_TOKENIZER_FILE}")
+        return json_path, path
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {str(path)!r}")
+    return path, path.parent
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"tokenizer config {str(path)!r} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"tokenizer config {str(path)!r} is not a JSON object")
+    return value
+
+
+def _token_content(value: object) -> str | None:
+    # A role is a string, an AddedToken dict ({"content": ..., "__type": "AddedToken"}) or null.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _configured_roles(directory: Path) -> tuple[dict[str, str | None], str | None]:
+    """Role -> token string from the config files (None: the config says the role is absent),
+    and the file the roles came from (for error messages).
+
+    Precedence as in transformers 5: special_tokens_map.json overrides tokenizer_config.json,
+    unless the latter has ``added_tokens_decoder`` (the current layout, where the legacy map is
+    ignored)."""
+    tok_cfg_path, map_path = (directory / name for name in _HF_CONFIG_FILES)
+    merged: dict[str, object] = {}
+    source = None
+    if tok_cfg_path.is_file():
+        merged.update(_read_json(tok_cfg_path))
+        source = str(tok_cfg_path)
+    if map_path.is_file() and "added_tokens_decoder" not in merged:
+        merged.update(_read_json(map_path))
+        source = str(map_path) if source is None else f"{source} + {map_path.name}"
+    roles: dict[str, str | None] = {}
+    for role in _ROLES:
+        key = f"{role}_token"
+        if key in merged:
+            roles[role] = _token_content(merged[key])
+        elif role in _ROLE_FALLBACK_KEYS and _ROLE_FALLBACK_KEYS[role] in merged:
+            roles[role] = _token_content(merged[_ROLE_FALLBACK_KEYS[role]])
+    return roles, source
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the ``tokenizers`` library) with the interface of
+    :class:`SentencePieceTokenizer`, so a converted model trains on its own vocabulary.
+
+    ``path``: a directory holding ``tokenizer.json`` (as ``save_pretrained`` writes it) or the
+    file itself. The special tokens' roles come from ``tokenizer_config.json`` /
+    ``special_tokens_map.json`` beside it when they name any (``bos_token``, ``eos_token``,
+    ``pad_token``, ``unk_token``, ``mask_token``; ``cls_token``/``sep_token`` stand in for a
+    missing bos/eos; a role they leave out is absent, as in transformers), otherwise from the
+    tokenizer's own special tokens by their usual names (``<s>``, ``</s>``, ``<|endoftext|>``,
+    ``<pad>``, ``<unk>``, ``<mask>``, ``[SEP]``, ...).
+
+    Encoding is of plain text: no template (``add_special_tokens=False``; the data pipeline
+    appends ``eod`` itself), no truncation or padding even where tokenizer.json configures
+    them, and a special token's literal text in a document (say ``<|endoftext|>`` in a source
+    file) is encoded as ordinary text, as SentencePiece control symbols are, so documents
+    cannot forge document boundaries or masks. ``decode`` keeps special tokens.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from tokenizers import Tokenizer  # not needed by SentencePiece-only runs
+
+        self.path = Path(path)
+        json_path, directory = _hf_files(self.path)
+        blob = json_path.read_bytes()
+        try:
+            tok = Tokenizer.from_str(blob.decode("utf-8"))
+        except Exception as err:  # the tokenizers library raises a bare Exception
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            if json_path.suffix == ".model":
+                first = "a SentencePiece model? use tokenizer type 'sentencepiece'"
+            raise ValueError(
+                f"tokenizer {str(json_path)!r} is not a Hugging Face tokenizer.json ({first})"
+            ) from None
+        self._tok = self._configured(tok)
+        self.special_tokens = self._resolve_roles(directory)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # Ids can have holes (removed tokens); the embedding must cover the largest id.
+        self._vocab_size = max(len(vocab), max(vocab.values(), default=-1) + 1)
+        self.unique_identifiers: OrderedDict[str, object] = OrderedDict(
+            [
+                ("class", type(self).__name__),
+                ("sha256", hashlib.sha256(blob).hexdigest()),
+                # Roles from the config files change eod and pad without touching the json.
+                ("special_tokens", dict(sorted(self.special_tokens.items()))),
+            ]
+        )
+
+    @staticmethod
+    def _configured(tok):
+        # A saved tokenizer.json may carry truncation (e.g. max_length 512) or padding: either
+        # would silently cut or pad whole documents during preprocessing.
+        tok.no_truncation()
+        tok.no_padding()
+        tok.encode_special_tokens = True  # runtime-only: to_str() and pickling drop it
+        return tok
+
+    def _resolve_roles(self, directory: Path) -> dict[str, str]:
+        configured, source = _configured_roles(directory)
+        if configured:
+            # Config files that name roles are complete, as transformers reads them: a role
+            # they leave out (Llama's pad) is absent, not guessed.
+            roles: dict[str, str] = {}
+            for role, token in configured.items():
+                if token is None:
+                    continue  # named as null: no such token (GPT-2's pad)
+                if self._tok.token_to_id(token) is None:
+                    raise ValueError(
+                        f"tokenizer config {source}: {role}_token {token!r} is not in the "
+                        "tokenizer's vocabulary"
+                    )
+                roles[role] = token
+            return roles
+        # A bare tokenizer.json, or a config that names no role (the GPT-2 hub's, whose roles
+        # are transformers class defaults): the usual names among the special tokens.
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        roles = {}
+        for role in _ROLES:
+            found = next((n for n in _ROLE_NAMES[role] if n in special), None)
+            if found is None and role == "unk":
+                found = getattr(self._tok.model, "unk_token", None)  # BPE/WordPiece models
+                found = found if found and self._tok.token_to_id(found) is not None else None
+            if found is not None:
+                roles[role] = found
+        return roles
+
+    def _role_id(self, role: str) -> int:
+        token = self.special_tokens.get(role)
+        return -1 if token is None else int(self._tok.token_to_id(token))
+
+    @property
+    def vocab_size(self) -> int:
+        """The full vocabulary, added tokens included (the model's rows before padding)."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """The end-of-sequence token's id; ValueError when the tokenizer has none."""
+        if "eos" not in self.special_tokens:
+            raise ValueError(
+                f"tokenizer {str(self.path)!r} has no end-of-document (eos) token: name one as "
+                f"eos_token in {_HF_CONFIG_FILES[0]}"
+            )
+        return self._role_id("eos")
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def bos(self) -> int:
+        """-1 when the tokenizer has none."""
+        return self._role_id("bos")
+
+    @property
+    def pad(self) -> int:
+        # -1 (megatron's "no pad") when there is none, as SentencePieceTokenizer.
+        return self._role_id("pad")
+
+    @property
+    def unk(self) -> int:
+        """-1 when the tokenizer has none (byte-level BPE needs none)."""
+        return self._role_id("unk")
+
+    @property
+    def mask(self) -> int:
+        """The mask token's id, or -1 when the tokenizer has none."""
+        return self._role_id("mask")
+
+    @property
+    def newline(self) -> int:
+        """The id of the token that is exactly ``"\\n"`` (byte-level ``Ċ``, SentencePiece's
+        ``<0x0A>``), or -1 when there is none."""
+        ids = self.encode("\n")
+        candidates = ids if len(ids) == 1 else []
+        candidates += [self._tok.token_to_id(t) for t in ("\n", "\u010a", "<0x0A>")]
+        for i in candidates:
+            if i is not None and self._tok.decode([i], skip_special_tokens=False) == "\n":
+                return int(i)
+        return -1
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts at once (the tokenizers library runs the batch in Rust threads)."""
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_piece(self, token_id: int) -> str:
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise IndexError(f"token id {int(token_id)} is out of range")
+        return piece
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def detokenize(self, ids: Iterable[int] | np.ndarray) -> str:
+        return self.decode(ids)
+
+    # Picklable (e.g. for DataLoader worker processes): rebuild from the JSON text.
+    def __getstate__(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "json": self._tok.to_str(),
+            "special_tokens": self.special_tokens,
+            "vocab_size": self._vocab_size,
+            "unique_identifiers": self.unique_identifiers,
+        }
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = state["path"]
+        self._tok = self._configured(Tokenizer.from_str(state["json"]))
+        self.special_tokens = state["special_tokens"]
+        self._vocab_size = state["vocab_size"]
+        self.unique_identifiers = state["unique_identifiers"]
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(kind: str, path: str | os.PathLike[str]) -> SentencePieceTokenizer | HFTokenizer:
+    """Open the tokenizer at ``path``. ``kind``: "sentencepiece" (a ``.model`` file),
+    "huggingface" (a ``tokenizer.json`` or a directory holding one) or "auto" (a directory
+    or a ``.json`` file is Hugging Face's, anything else SentencePiece)."""
+    if kind == "auto":
+        p = Path(path)
+        kind = "huggingface" if p.is_dir() or p.suffix == ".json" else "sentencepiece"
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(path)
+    if kind == "huggingface":
+        return HFTokenizer(path)
+    raise ValueError(
+        f"tokenizer type must be one of {', '.join(TOKENIZER_TYPES)} or auto, got {kind!r}"
+    )

@@ -31,7 +31,17 @@ class TextDataSection(Section):
     data_prefix: str | None = doc_field(
         None, "Megatron dataset path without .bin/.idx (e.g. data/owt_text_document); for prefix."
     )
-    tokenizer_model: str | None = doc_field(None, "Tokenizer model file; required for prefix.")
+    tokenizer_model: str | None = doc_field(
+        None,
+        "Tokenizer of the prefix data, required for prefix: a SentencePiece .model file, or "
+        "for huggingface a tokenizer.json or the directory holding it (with its "
+        "tokenizer_config.json).",
+    )
+    tokenizer_type: Literal["sentencepiece", "huggingface"] = doc_field(
+        "sentencepiece",
+        "How to read data.tokenizer_model: sentencepiece, or huggingface (a converted model's "
+        "own vocabulary; needs data.corpus prefix, the stdlib corpus trains SentencePiece).",
+    )
     vocab_size: int = doc_field(
         4096, "Vocabulary of the tokenizer trained on the stdlib corpus.", ge=2
     )
@@ -48,6 +58,12 @@ class TextDataSection(Section):
             for name in ("data_prefix", "tokenizer_model"):
                 if getattr(self, name) is None:
                     raise self._err(f"data.{name} is required when data.corpus is 'prefix'")
+        elif self.tokenizer_type != "sentencepiece":
+            # The stdlib corpus is tokenised by the SentencePiece model trained on it.
+            raise self._err(
+                f"data.tokenizer_type {self.tokenizer_type!r} needs data.corpus 'prefix' (the "
+                "stdlib corpus trains its own SentencePiece tokenizer)"
+            )
 
     def split_weights(self) -> tuple[float, float, float]:
         """The split as normalised fractions (train, valid, test)."""

@@ -91,7 +91,7 @@ class GPTFamily(ModelFamily):
 
     def prepare_data(self, cfg, rank: int) -> GPTData:
         prepared = prepare_text_data(cfg.data, cfg.training.seed, rank)
-        return GPTData(SentencePieceTokenizer(prepared.tokenizer_model), prepared.data_prefix)
+        return GPTData(prepared.tokenizer(), prepared.data_prefix)
 
     def model_config(self, cfg, data: GPTData, tensor_parallel: int) -> GPTConfig:
         vocab = pad_vocab_size(

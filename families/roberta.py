@@ -143,7 +143,7 @@ class RobertaFamily(ModelFamily):
 
     def prepare_data(self, cfg, rank: int) -> RobertaData:
         prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, ("<mask>",))
-        tokenizer = SentencePieceTokenizer(prepared.tokenizer_model)
+        tokenizer = prepared.tokenizer()
         for piece, token_id in (("<mask>", tokenizer.mask), ("<pad>", tokenizer.pad)):
             if token_id < 0:
                 raise ValueError(

@@ -1,12 +1,16 @@
 """Tokenise text into Megatron indexed datasets (``{prefix}_{key}_document.bin/.idx``).
 
 Like Megatron-LM's ``tools/preprocess_data.py``, with a SentencePiece tokenizer that is either
-given (``--tokenizer-model``) or trained here on the same input (``--vocab-size``)::
+given (``--tokenizer-model``) or trained here on the same input (``--vocab-size``), or a
+Hugging Face tokenizer (``--tokenizer-type huggingface``: a converted model's own vocabulary,
+``--tokenizer-model`` naming its ``tokenizer.json`` or the directory holding it)::
 
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
         --vocab-size 8192 --output-prefix out/corpus
     python tools/preprocess_data.py --input src_dir/ --pattern '*.py' \\
         --tokenizer-model tok.model --output-prefix out/code
+    python tools/preprocess_data.py --input corpus.jsonl --tokenizer-type huggingface \\
+        --tokenizer-model hf/gpt2 --output-prefix out/gpt2
     python tools/preprocess_data.py --default-corpus --vocab-size 8192 --cache-dir .cache/data
 
 ``--input`` is a JSON-lines file (one object per line, the text under each ``--json-keys``
@@ -27,7 +31,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from data.corpus import iter_texts  # noqa: E402
 from data.indexed import dataset_prefix, write_indexed_dataset  # noqa: E402
-from data.tokenizer import SentencePieceTokenizer, train_sentencepiece  # noqa: E402
+from data.tokenizer import (  # noqa: E402
+    TOKENIZER_TYPES,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    load_tokenizer,
+    train_sentencepiece,
+)
 
 __all__ = ["main", "build_parser", "iter_input_texts"]
 
@@ -60,9 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="file name glob for a directory --input (recursive), default '*'",
     )
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-model", help="existing SentencePiece .model file")
+    tok.add_argument(
+        "--tokenizer-model",
+        help="existing SentencePiece .model file, or for --tokenizer-type huggingface a "
+        "tokenizer.json or the directory holding it",
+    )
     tok.add_argument(
         "--vocab-size", type=int, help="train a SentencePiece BPE model of this size on the input"
+    )
+    p.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default="sentencepiece",
+        help="how to read --tokenizer-model (default: sentencepiece)",
     )
     p.add_argument("--output-prefix", help="output path prefix ({prefix}_{key}_document.*)")
     p.add_argument(
@@ -111,7 +131,10 @@ def iter_input_texts(input_path: str, key: str, pattern: str = "*") -> Iterator[
 
 
 def _encoded(
-    tokenizer: SentencePieceTokenizer, texts: Iterator[str], append_eod: bool, skipped: list[int]
+    tokenizer: SentencePieceTokenizer | HFTokenizer,
+    texts: Iterator[str],
+    append_eod: bool,
+    skipped: list[int],
 ) -> Iterator[list[int]]:
     def flush(chunk: list[str]) -> Iterator[list[int]]:
         for ids in tokenizer.encode_batch(chunk):
@@ -131,6 +154,11 @@ def _encoded(
 
 
 def _validate(args: argparse.Namespace) -> None:
+    if args.tokenizer_type != "sentencepiece" and args.tokenizer_model is None:
+        raise UsageError(
+            f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model (only SentencePiece "
+            "models are trained here)"
+        )
     if args.default_corpus:
         if args.tokenizer_model:
             raise UsageError("--default-corpus trains its own tokenizer; drop --tokenizer-model")
@@ -146,7 +174,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--input directory {args.input!r} has no files matching {args.pattern!r}")
     if args.tokenizer_model is None and args.vocab_size is None:
         raise UsageError("give --tokenizer-model (existing) or --vocab-size (train one)")
-    if args.tokenizer_model is not None and not Path(args.tokenizer_model).is_file():
+    if args.tokenizer_model is not None and not Path(args.tokenizer_model).exists():
         raise UsageError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
     if not args.output_prefix:
         raise UsageError("--output-prefix is required")
@@ -174,9 +202,11 @@ def _run(args: argparse.Namespace) -> None:
             texts, f"{args.output_prefix}_tokenizer", args.vocab_size, seed=args.seed
         )
         print(f"tokenizer_model: {model}")
+        tokenizer = SentencePieceTokenizer(model)
     else:
-        model = Path(args.tokenizer_model)
-    tokenizer = SentencePieceTokenizer(model)
+        tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    if args.append_eod:
+        _ = tokenizer.eod  # a tokenizer without one fails before any file is written
 
     for key in args.json_keys:
         prefix = dataset_prefix(args.output_prefix, key)
