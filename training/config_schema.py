@@ -229,6 +229,11 @@ class CheckpointConfig(_Section):
 
     dir: str | None = _f(None, "Where checkpoints go; null = {logging.dir}/checkpoints.")
     save_interval: int = _f(100, "Save every N steps; 0 disables periodic saves.", ge=0)
+    save_on_signal: bool = _f(
+        True,
+        "On SIGTERM or SIGINT finish the step, save a checkpoint and exit 0; a second signal "
+        "stops at once.",
+    )
     resume: bool = _f(True, "Resume from the latest checkpoint in checkpoint.dir if one exists.")
     load: str | None = _f(
         None,

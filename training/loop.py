@@ -42,6 +42,7 @@ from training.reshard import (
     reshard,
 )
 from training.setup import RunState, build_run, num_microbatches
+from training.signals import StopSignals
 
 __all__ = ["TrainingError", "pretrain"]
 
@@ -481,70 +482,88 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     start_time = time.time()
     printed_bytes = False
     consecutive = 0  # skipped steps in a row
-    while iteration < t.train_iters:
-        health_every = log.fp8_stats_interval or log.interval
-        fp8_log = (
-            log.log_fp8_stats and state.recipe.fp8_gemm and (iteration + 1) % health_every == 0
-        )
-        stats = train_step(state, data_iter, n_micro, health=fp8_log)
-        if not printed_bytes and state.bytes_per_param:
-            printed_bytes = True
-            _print(logs, "> model-state bytes per parameter (this rank): " + _bytes_line(state))
-            stages = _stage_memory(state)
-            if stages:
-                _print(logs, "> per pipeline stage: " + _stages_line(stages))
-        if fp8_log:  # per-layer FP8 health: amax, scale, underflow, saturation
-            fp8 = _gather_fp8_stats(state)
-        if fp8_log and logs:
-            writer.scalars(
-                iteration + 1,
-                {f"fp8/{layer}/{k}": v for layer, roles in fp8.items() for k, v in roles.items()},
+    stopped_by = None
+    signals = StopSignals(cfg.checkpoint.save_on_signal).__enter__()
+    try:
+        while iteration < t.train_iters:
+            health_every = log.fp8_stats_interval or log.interval
+            fp8_log = (
+                log.log_fp8_stats and state.recipe.fp8_gemm and (iteration + 1) % health_every == 0
             )
-        iteration += 1
-        consumed += t.global_batch_size
-        counters["skipped"] += int(stats["skipped"])
-        consecutive = consecutive + 1 if stats["skipped"] else 0
-        _check_skips(state, consecutive, iteration, stats)
-        counters["nan"] += int(not math.isfinite(stats["loss"]))
-        for name, value in stats["losses"].items():
-            interval_loss[name] = interval_loss.get(name, 0.0) + value
-        interval_steps += 1
-        eval_due = t.eval_iters > 0 and (
-            iteration % t.eval_interval == 0 or iteration == t.train_iters
-        )
-        if iteration % log.interval == 0 or iteration == t.train_iters or eval_due:
-            elapsed = (time.perf_counter() - interval_start) / interval_steps
-            valid = evaluate(state, n_micro) if eval_due else None
-            last = _log(
-                state,
-                writer,
-                iteration,
-                consumed,
-                {k: v / interval_steps for k, v in interval_loss.items()},
-                stats,
-                elapsed,
-                flops,
-                peak,
-                counters,
-                logs,
-                valid,
+            stats = train_step(state, data_iter, n_micro, health=fp8_log)
+            if not printed_bytes and state.bytes_per_param:
+                printed_bytes = True
+                _print(logs, "> model-state bytes per parameter (this rank): " + _bytes_line(state))
+                stages = _stage_memory(state)
+                if stages:
+                    _print(logs, "> per pipeline stage: " + _stages_line(stages))
+            if fp8_log:  # per-layer FP8 health: amax, scale, underflow, saturation
+                fp8 = _gather_fp8_stats(state)
+            if fp8_log and logs:
+                writer.scalars(
+                    iteration + 1,
+                    {
+                        f"fp8/{layer}/{k}": v
+                        for layer, roles in fp8.items()
+                        for k, v in roles.items()
+                    },
+                )
+            iteration += 1
+            consumed += t.global_batch_size
+            counters["skipped"] += int(stats["skipped"])
+            consecutive = consecutive + 1 if stats["skipped"] else 0
+            _check_skips(state, consecutive, iteration, stats)
+            counters["nan"] += int(not math.isfinite(stats["loss"]))
+            for name, value in stats["losses"].items():
+                interval_loss[name] = interval_loss.get(name, 0.0) + value
+            interval_steps += 1
+            eval_due = t.eval_iters > 0 and (
+                iteration % t.eval_interval == 0 or iteration == t.train_iters
             )
-            interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
-        stop = t.exit_interval and iteration % t.exit_interval == 0
-        if t.time_limit_minutes and time.time() - start_time > 60 * t.time_limit_minutes:
-            stop = True
-        save_every = cfg.checkpoint.save_interval
-        if save_every and iteration % save_every == 0 or iteration == t.train_iters or stop:
-            _save(state, iteration, consumed, counters)
-            _print(
-                logs,
-                f"saved checkpoint at iteration {iteration} to {cfg.resolved_checkpoint_dir()}",
-            )
-            interval_start = time.perf_counter()  # saving is not training time
-        if stop:
-            break
+            if iteration % log.interval == 0 or iteration == t.train_iters or eval_due:
+                elapsed = (time.perf_counter() - interval_start) / interval_steps
+                valid = evaluate(state, n_micro) if eval_due else None
+                last = _log(
+                    state,
+                    writer,
+                    iteration,
+                    consumed,
+                    {k: v / interval_steps for k, v in interval_loss.items()},
+                    stats,
+                    elapsed,
+                    flops,
+                    peak,
+                    counters,
+                    logs,
+                    valid,
+                )
+                interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
+            stop = t.exit_interval and iteration % t.exit_interval == 0
+            if t.time_limit_minutes and time.time() - start_time > 60 * t.time_limit_minutes:
+                stop = True
+            stopped_by = signals.agreed(state.device)
+            stop = stop or stopped_by is not None
+            save_every = cfg.checkpoint.save_interval
+            if save_every and iteration % save_every == 0 or iteration == t.train_iters or stop:
+                _save(state, iteration, consumed, counters)
+                _print(
+                    logs,
+                    f"saved checkpoint at iteration {iteration} to {cfg.resolved_checkpoint_dir()}",
+                )
+                interval_start = time.perf_counter()  # saving is not training time
+            if stopped_by is not None:
+                _print(
+                    logs,
+                    f"received {stopped_by}: saved checkpoint at iteration {iteration} to "
+                    f"{cfg.resolved_checkpoint_dir()}; the same command resumes from it",
+                )
+            if stop:
+                break
+    finally:
+        signals.__exit__()
     writer.close()
-    return {"iteration": iteration, "consumed_samples": consumed, **last}
+    return {"iteration": iteration, "consumed_samples": consumed, "stopped_by": stopped_by,
+            **last}  # fmt: skip
 
 
 def _stages_line(stages: dict[str, float]) -> str:

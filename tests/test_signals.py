@@ -1,0 +1,82 @@
+"""A signal mid-run saves a checkpoint and exits 0; resuming continues the run exactly.
+
+The launcher (``python -m training.launcher``, what ``make train`` runs: torchrun ending with
+one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
+are logged it gets SIGTERM (a scheduler) or SIGINT (Ctrl-C). Every rank finishes its step,
+they save together, the launcher exits 0 with one line; the same command then resumes and the
+per-iteration losses equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, tiny_overrides
+
+STEPS = 40
+
+
+def _cmd(data, run_dir) -> list[str]:
+    overrides = tiny_overrides(
+        data, run_dir, "fp32",
+        **{"training.train_iters": STEPS, "checkpoint.save_interval": 0,
+           "training.eval_interval": 1000, "training.eval_iters": 0},
+    )  # fmt: skip
+    return [sys.executable, "-m", "training.launcher", "--standalone", "--nproc_per_node", "2",
+            "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml", *overrides]  # fmt: skip
+
+
+def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    """The last logged loss of each iteration (a resumed run logs again from its checkpoint)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["iteration"]] = record["lm loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    proc = _run(_cmd(tiny_data, run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _losses(run_dir)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_and_resume_continues_the_run(straight, tiny_data, tmp_path, sig):
+    cmd = _cmd(tiny_data, tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    saved = [x for x in out.splitlines() if x.startswith("received ")]
+    # The agent passes the signal on to the workers (SIGINT as SIGINT, SIGTERM as SIGTERM).
+    assert len(saved) == 1 and signal.Signals(sig).name in saved[0], saved
+    assert out.strip().splitlines()[-1].startswith("fp8train: stopped by"), out[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    stopped_at = max(_losses(tmp_path))
+    assert stopped_at < STEPS
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"iter_{stopped_at:07d}"
+    again = _run(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout
+    assert _losses(tmp_path) == straight
