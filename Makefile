@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 NPROC ?= 2
 MODEL ?= gpt
 CONFIG ?= configs/$(MODEL)_tiny.yaml
+# Restarts after a dead rank resume from the latest checkpoint (training/launcher.py).
+MAX_RESTARTS ?= 0
 
 .PHONY: venv train test lint bench clean
 
@@ -20,10 +22,11 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 # The config and its layout on NPROC ranks are checked before torchrun starts, so a mistake
-# costs one line, not a traceback per rank.
+# costs one line, not a traceback per rank. training.launcher is torchrun ending with one line:
+# Ctrl-C or SIGTERM saves a checkpoint first (training/signals.py).
 train: venv
 	$(BIN)/python -m training.config --family $(MODEL) --world-size $(NPROC) $(CONFIG) $(ARGS) > /dev/null
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node $(NPROC) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m training.launcher --standalone --nproc_per_node $(NPROC) --max-restarts $(MAX_RESTARTS) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q tests
