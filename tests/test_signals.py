@@ -1,4 +1,5 @@
-"""A signal mid-run saves a checkpoint and exits 0; resuming continues the run exactly.
+"""A signal mid-run saves a checkpoint and exits 0; resuming continues the run exactly; a
+killed rank under --max-restarts restarts and the run ends as if uninterrupted.
 
 The launcher (``python -m training.launcher``, what ``make train`` runs: torchrun ending with
 one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
@@ -79,4 +80,45 @@ def test_signal_saves_and_resume_continues_the_run(straight, tiny_data, tmp_path
     again = _run(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
+    assert _losses(tmp_path) == straight
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
+def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny_data, tmp_path):
+    """SIGKILL of rank 1 mid-training under --max-restarts 1: the agent restarts both workers,
+    they resume from the latest checkpoint (saved every 5 steps) and the last logged loss of
+    every iteration equals the uninterrupted run's."""
+    cmd = _cmd(tiny_data, tmp_path)
+    cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
+    cmd.append("checkpoint.save_interval=5")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    latest = tmp_path / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not (latest.exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 7):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    victim = _worker_pid(proc.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("resumed from") == 1, out[-3000:]
     assert _losses(tmp_path) == straight
