@@ -1,4 +1,4 @@
-"""Data layer: default corpus, SentencePiece tokenizer, Megatron indexed datasets, GPT
+"""Data layer: default corpus, SentencePiece and Hugging Face tokenizers, Megatron indexed datasets, GPT
 datasets built by megatron-core, image-classification sources and datasets, and resumable
 micro-batch sampling.
 
@@ -17,6 +17,8 @@ _EXPORTS = {
     "corpus_fingerprint": "data.corpus",
     "train_sentencepiece": "data.tokenizer",
     "SentencePieceTokenizer": "data.tokenizer",
+    "HFTokenizer": "data.tokenizer",
+    "load_tokenizer": "data.tokenizer",
     "dataset_prefix": "data.indexed",
     "write_indexed_dataset": "data.indexed",
     "read_indexed_dataset": "data.indexed",
