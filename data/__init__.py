@@ -1,6 +1,6 @@
-"""Data layer: default corpus, SentencePiece and Hugging Face tokenizers, Megatron indexed datasets, GPT
-datasets built by megatron-core, image-classification sources and datasets, and resumable
-micro-batch sampling.
+"""Data layer: default corpus, SentencePiece and Hugging Face tokenizers, Megatron indexed
+datasets, GPT datasets built by megatron-core, image-classification sources and datasets,
+and resumable micro-batch sampling.
 
 Names are resolved lazily (PEP 562) so ``import data.corpus`` does not pull in torch, and
 megatron.core (about 3 s to import) is loaded only when a dataset is written or read.

@@ -10,6 +10,10 @@ and both are embedding-class weights, kept in higher precision at every level be
 also the input embedding, a lookup table the precision table keeps in FP32/BF16.
 
 Logits are returned, and the cross entropy computed, in float32 even when parameters are bf16.
+
+Incremental decoding: ``forward(tokens, kv_cache=model.new_kv_cache())`` runs only the new
+tokens against the keys and values cached by earlier calls (models/kv_cache.py), for a
+single-process model in eval mode; without a cache the forward is the training one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
+from models.kv_cache import KVCache
 from models.transformer import (
     TransformerConfig,
     TransformerLayer,
@@ -37,7 +42,7 @@ from parallel.tensor_parallel.cross_entropy import (
 from parallel.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
-__all__ = ["GPTConfig", "GPTModel", "LayerDict", "pad_vocab_size"]
+__all__ = ["GPTConfig", "GPTModel", "KVCache", "LayerDict", "pad_vocab_size"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
@@ -184,11 +189,19 @@ class GPTModel(ParallelModel):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens ``[b, s]`` int64 -> logits ``[b, s, V]`` float32, or with ``labels`` ``[b, s]``
         the unreduced cross entropy ``[b, s]`` float32 (Megatron style: the caller applies the
         loss mask and averages). Labels equal to -100 give zero loss.
+
+        kv_cache (``new_kv_cache``; inference, no autograd): ``tokens`` are the next ``s``
+        tokens after the ``kv_cache.length`` cached ones (default positions continue from
+        there); their keys and values are appended to the cache and the result covers only
+        them. Feeding a sequence in any number of chunks gives the logits of one full forward.
         """
+        if kv_cache is not None:
+            return self._forward_cached(tokens, position_ids, labels, kv_cache)
         if self.pipeline.is_split:
             raise RuntimeError(
                 "this GPTModel is one pipeline stage; run it chunk by chunk with forward_chunk "
@@ -216,6 +229,55 @@ class GPTModel(ParallelModel):
             return self._head(hidden, inputs.get("labels"))
         return hidden
 
+    def new_kv_cache(self, max_length: int | None = None) -> KVCache:
+        """An empty KV cache for sequences of up to ``max_length`` tokens (prompt and
+        generation; default and upper bound ``max_position_embeddings``)."""
+        self._check_cache_use()
+        limit = self.config.max_position_embeddings
+        max_length = limit if max_length is None else max_length
+        if not 1 <= max_length <= limit:
+            raise ValueError(
+                f"KV cache max_length={max_length}: must be in [1, max_position_embeddings={limit}]"
+            )
+        return KVCache(self.config.num_layers, max_length)
+
+    def _check_cache_use(self) -> None:
+        if self.is_parallel:
+            raise ValueError(
+                f"KV cache: this GPTModel is one slice of a parallel model (tensor parallel "
+                f"{self.ctx.tp}, {self.pipeline.stages} pipeline stages); the cache is for a "
+                "single-process model (TP=1, PP=1), e.g. from models.load_pretrained"
+            )
+        if self.training:
+            # Dropout would differ from step to step, and FP8 linears would advance their
+            # delayed-scaling state on every decoding step.
+            raise ValueError("KV cache: the model must be in eval mode (call model.eval())")
+
+    @torch.no_grad()
+    def _forward_cached(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        self._check_cache_use()
+        if len(kv_cache.layers) != self.config.num_layers:
+            raise ValueError(
+                f"KV cache has {len(kv_cache.layers)} layers, the model "
+                f"{self.config.num_layers}: make it with model.new_kv_cache()"
+            )
+        past, s = kv_cache.length, tokens.shape[1]
+        if past + s > kv_cache.max_length:  # checked before any layer appends
+            raise ValueError(
+                f"KV cache full: {past} cached + {s} new tokens > max_length {kv_cache.max_length}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=tokens.device)[None]  # [1, s]
+        x = self._embed(tokens, position_ids)
+        x = self._run_layers(x, position_ids, self.layers, kv_cache)
+        return self._head(x, labels)
+
     def _positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if position_ids is not None:
             return position_ids
@@ -238,11 +300,17 @@ class GPTModel(ParallelModel):
             x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
         return x
 
-    def _run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, layers) -> torch.Tensor:
+    def _run_layers(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layers, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
         cfg = self.config
         rotary = None
         if cfg.position_embedding_type == "rope":
             rotary = rotary_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base)
+        if kv_cache is not None:
+            for layer, cache in zip(layers, kv_cache.layers, strict=True):
+                x = layer(x, rotary, kv_cache=cache)  # [b, s, h]
+            return x
         for layer in layers:
             x = layer(x, rotary)  # [b, s, h]
         return x

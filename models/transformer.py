@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fp8train.linear import Linear, recompute_scale_contexts
 from models.context import BuildContext, tp_size
+from models.kv_cache import LayerKVCache
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor_parallel.mappings import copy_to_region
 from parallel.tensor_parallel.random import get_tracker
@@ -391,11 +392,15 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attn_mask: torch.Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         """x ``[b, s, h]`` -> ``[b, s, h]``.
 
         attn_mask: optional boolean mask broadcastable to ``[b, heads, s, s]`` (True = attend),
         for padding in bidirectional models; a causal layer ANDs it with the causal mask.
+        kv_cache (inference): ``x`` holds only the new tokens, which follow the cached ones;
+        their k/v are appended and they attend over the whole cached prefix (an ``attn_mask``
+        then covers ``[b, heads, s, cached + s]``).
         """
         G, d = self.num_groups, self.head_dim
         r = self.num_heads // G
@@ -409,7 +414,9 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, H|G, s, d]
         causal = self.causal
-        if causal and attn_mask is not None:
+        if kv_cache is not None:
+            k, v, attn_mask, causal = self._extend_from_cache(k, v, attn_mask, kv_cache)
+        elif causal and attn_mask is not None:
             tri = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             attn_mask, causal = attn_mask & tri, False
         dropout_p = self.dropout_p if self.training else 0.0
@@ -420,9 +427,22 @@ class SelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * d)  # [b, s, H*d]
         return self.proj(y)  # [b, s, h]
 
+    def _extend_from_cache(self, k, v, attn_mask, kv_cache: LayerKVCache):
+        """The new tokens' k/v ``[b, G, s, d]`` -> ``(k, v, attn_mask, causal)`` over all
+        ``past + s`` positions. The causal mask becomes explicit: SDPA's ``is_causal`` aligns
+        the triangle to the top-left corner, so with ``past`` keys before the queries it would
+        hide most of the prefix; query i sits at position past + i and sees keys 0..past + i."""
+        s, past = k.shape[2], kv_cache.length
+        k, v = kv_cache.append(k, v)  # [b, G, past + s, d]
+        if self.causal and s > 1:  # a single new token sees every key: no mask needed
+            tri = torch.ones(s, past + s, dtype=torch.bool, device=k.device).tril(past)
+            attn_mask = tri if attn_mask is None else attn_mask & tri
+        return k, v, attn_mask, False
+
     def _core(self, q, k, v, attn_mask, dropout_p: float, causal: bool) -> torch.Tensor:
-        """q ``[b, H, s, d]``, k/v ``[b, G, s, d]`` -> ``[b, H, s, d]``; the selective-recompute
-        region (no parameters, no FP8 casts: only softmax, dropout and two batched GEMMs)."""
+        """q ``[b, H, s, d]``, k/v ``[b, G, s', d]`` (s' = s, or cached + s with a KV cache)
+        -> ``[b, H, s, d]``; the selective-recompute region (no parameters, no FP8 casts: only
+        softmax, dropout and two batched GEMMs)."""
         # Query head i reads kv group i // r: exactly SDPA's enable_gqa broadcast.
         with _sharded_rng(self.tp_sharded and dropout_p > 0):
             return F.scaled_dot_product_attention(
@@ -469,6 +489,7 @@ class TransformerLayer(nn.Module):
 
     recompute: one of ``RECOMPUTE`` (module doc); applies only while autograd records.
     attn_mask: boolean, broadcastable to ``[b, heads, s, s]``, True = attend (padding masks).
+    kv_cache: this layer's ``LayerKVCache`` for incremental decoding (``SelfAttention``).
     """
 
     def __init__(
@@ -502,7 +523,10 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attn_mask: torch.Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
+        if kv_cache is not None:  # inference: no recompute, and the cache is written once
+            return self._forward(x, rotary, attn_mask, kv_cache)
         if self.recompute == "full" and torch.is_grad_enabled():
             return _checkpoint(self._forward, x, rotary, attn_mask)
         return self._forward(x, rotary, attn_mask)
@@ -512,16 +536,17 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attn_mask: torch.Tensor | None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         sharded = self.sequence_parallel and self.training and self.dropout.p > 0
         if self.post_norm:
-            attn = self.attention(x, rotary, attn_mask)
+            attn = self.attention(x, rotary, attn_mask, kv_cache)
             with _sharded_rng(sharded):
                 x = self.post_attention_norm(x + self.dropout(attn))  # [b, s, h]
             mlp = self.mlp(x)
             with _sharded_rng(sharded):
                 return self.post_mlp_norm(x + self.dropout(mlp))  # [b, s, h]
-        attn = self.attention(self.input_norm(x), rotary, attn_mask)
+        attn = self.attention(self.input_norm(x), rotary, attn_mask, kv_cache)
         with _sharded_rng(sharded):
             x = x + self.dropout(attn)  # [b, s, h]
         mlp = self.mlp(self.post_attention_norm(x))
