@@ -28,6 +28,10 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
     from training.loop import TrainingError, pretrain
 
     rank = os.environ.get("RANK", "0")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop when the agent dies
+        from training.run_lock import die_with_parent
+
+        die_with_parent()
     try:
         cfg = load_config(args.config, args.overrides, family)
         pretrain(cfg, family=family)

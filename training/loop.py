@@ -41,6 +41,7 @@ from training.reshard import (
     optimizer_targets,
     reshard,
 )
+from training.run_lock import acquire_run_lock
 from training.setup import RunState, build_run, num_microbatches
 from training.signals import StopSignals
 
@@ -431,6 +432,8 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
             saved_structure = saved.get("model_structure")
     state = build_run(cfg, gemm_backend=saved_backend, saved_structure=saved_structure)
     topo = state.groups.topology
+    # One job per checkpoint directory, held until this process ends.
+    state.run_lock = acquire_run_lock(cfg.resolved_checkpoint_dir(), topo.rank, state.device)
     t, log = cfg.training, cfg.logging
     # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.
     logs = topo.rank == topo.world_size - 1
@@ -562,6 +565,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     finally:
         signals.__exit__()
     writer.close()
+    state.run_lock.release()
     return {"iteration": iteration, "consumed_samples": consumed, "stopped_by": stopped_by,
             **last}  # fmt: skip
 

@@ -60,6 +60,7 @@ class RunState:
     bytes_per_param: dict | None = None  # measured at the first step, while grads are alive
     meter: CommMeter | None = None  # bytes on the wire per collective, this step
     resumed_counters: dict | None = None
+    run_lock: Any = None  # training/run_lock.py: held for the run's lifetime
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
     engine: PipelineEngine | None = None  # None without pipeline parallelism
 
