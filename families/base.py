@@ -15,8 +15,10 @@ The first metric is the headline loss (NaN counting, the console line).
 from __future__ import annotations
 
 import dataclasses
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -39,6 +41,8 @@ __all__ = [
     "get_family",
     "family_names",
     "family_for_hf",
+    "family_for_hf_directory",
+    "read_hf_config",
     "DEFAULT_FAMILY",
 ]
 
@@ -217,6 +221,20 @@ def _builtin() -> None:
     import families.gpt  # noqa: F401  (each registers itself)
     import families.roberta  # noqa: F401
     import families.vit  # noqa: F401
+
+
+def read_hf_config(directory) -> dict:
+    """A Hugging Face model directory's ``config.json``; a missing one raises naming it."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (not a Hugging Face model directory)") from None
+
+
+def family_for_hf_directory(directory) -> ModelFamily:
+    """The family importing the Hugging Face model in ``directory`` (by its model_type)."""
+    return family_for_hf(read_hf_config(directory).get("model_type"))
 
 
 def family_for_hf(model_type: str) -> ModelFamily:

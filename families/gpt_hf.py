@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from families.base import read_hf_config
 from models.gpt import GPTConfig, pad_vocab_size
 
 __all__ = [
@@ -480,7 +481,7 @@ def load_hf(directory: str | Path, padded_vocab_size: int | None = None, **overr
     """``(GPTConfig, parameters)`` from a Hugging Face ``GPT2LMHeadModel`` or
     ``LlamaForCausalLM`` directory (``overrides``: ``GPTConfig`` fields, e.g. seq_length)."""
     path = Path(directory)
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_hf_config(path)
     config = config_from_hf(hf, padded_vocab_size, **overrides)
     return config, state_from_hf(_read_tensors(path), config)
 
@@ -488,7 +489,7 @@ def load_hf(directory: str | Path, padded_vocab_size: int | None = None, **overr
 def import_directory(directory: str | Path, divisible_by: int = 128):
     """``(GPTConfig, parameters, true vocabulary size, token ids)`` of a Hugging Face GPT-2 or
     Llama directory, its vocabulary padded to a multiple of ``divisible_by`` (zero rows)."""
-    hf = json.loads((Path(directory) / "config.json").read_text())
+    hf = read_hf_config(directory)
     vocab = int(hf["vocab_size"])
     config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
     ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

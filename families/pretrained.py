@@ -9,12 +9,11 @@ strictly: a tensor the model lacks, or one it misses, raises naming it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from families.base import ModelFamily, family_for_hf, get_family
+from families.base import ModelFamily, family_for_hf_directory, get_family
 
 __all__ = ["LogitsOf", "load_pretrained", "read_pretrained"]
 
@@ -28,8 +27,7 @@ def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, to
 
     path = Path(path)
     if (path / "config.json").exists():
-        hf = json.loads((path / "config.json").read_text())
-        family = family_for_hf(hf.get("model_type"))
+        family = family_for_hf_directory(path)
         imported = family.import_hf(path)
         return family, imported.config, imported.tensors
     checkpoint = resolve_checkpoint(path)

@@ -39,7 +39,14 @@ from safetensors.torch import load_file, save_file
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
 from data.prepare import prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
-from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
+from families.base import (
+    HFImport,
+    LossSums,
+    ModelFamily,
+    read_hf_config,
+    register_family,
+    section_values,
+)
 from families.config_fields import doc_field
 from families.hf_qkv import fuse_qkv, split_qkv
 from families.sections import TextTransformerSection
@@ -189,7 +196,7 @@ class RobertaFamily(ModelFamily):
 
     def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
         """``RobertaForMaskedLM``: the vocabulary padded with zero rows."""
-        hf = json.loads((Path(directory) / "config.json").read_text())
+        hf = read_hf_config(directory)
         vocab = int(hf["vocab_size"])
         config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
         structure = {**self.checkpoint_structure(config), "vocab_size": vocab}
@@ -409,7 +416,7 @@ def save_hf(directory: str | Path, state: dict, config: RobertaConfig, vocab_siz
 def load_hf(directory: str | Path, padded_vocab_size: int | None = None):
     """``(RobertaConfig, parameters)`` from a Hugging Face ``RobertaForMaskedLM`` directory."""
     path = Path(directory)
-    config = config_from_hf(json.loads((path / "config.json").read_text()), padded_vocab_size)
+    config = config_from_hf(read_hf_config(path), padded_vocab_size)
     return config, state_from_hf(load_file(str(path / "model.safetensors")), config)
 
 

@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
+from families.base import (
+    HFImport,
+    LossSums,
+    ModelFamily,
+    read_hf_config,
+    register_family,
+    section_values,
+)
 from families.config_fields import doc_field
 from families.data_sections import ImageDataSection
 from families.hf_qkv import fuse_qkv, split_qkv
@@ -174,7 +181,7 @@ class ViTFamily(ModelFamily):
     def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
         """``ViTForImageClassification`` (no vocabulary: ``divisible_by`` is unused); the
         class names come from its ``id2label``."""
-        hf = json.loads((Path(directory) / "config.json").read_text())
+        hf = read_hf_config(directory)
         config, tensors = load_hf(directory)
         labels = hf.get("id2label") or {}
         classes = [labels.get(str(i), labels.get(i)) for i in range(config.num_classes)]
@@ -368,7 +375,7 @@ def load_hf(directory: str | Path, image_size: int | None = None):
     """``(ViTConfig, parameters)`` from a Hugging Face ``ViTForImageClassification``
     directory; ``image_size`` other than the checkpoint's interpolates the positions."""
     path = Path(directory)
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_hf_config(path)
     config = config_from_hf(hf, **({"image_size": image_size} if image_size else {}))
     return config, state_from_hf(load_file(str(path / "model.safetensors")), config)
 

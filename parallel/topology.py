@@ -9,12 +9,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from fp8train import device as devices
 from parallel.pipeline.engine import PipelineGroups
 
-__all__ = ["Topology", "TopologyError", "init_distributed", "destroy_distributed"]
+__all__ = [
+    "Topology",
+    "TopologyError",
+    "init_distributed",
+    "destroy_distributed",
+    "gather_texts",
+]
 
 
 class TopologyError(ValueError):
@@ -146,6 +153,21 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
                 if rank in ranks:
                     groups.embedding = group
     return groups, device
+
+
+def gather_texts(text: str, device: torch.device, limit: int = 512) -> list[str]:
+    """Every rank's ``text`` (UTF-8, at most ``limit`` bytes), in rank order, over the default
+    group; ``[text]`` without one. Collective: for the rare messages ranks must agree on (an
+    error's cause), sent as bytes so that nothing is pickled."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [text]
+    raw = text.encode()[:limit]
+    code = torch.zeros(limit, dtype=torch.uint8)
+    code[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    code = code.to(device)
+    every = [torch.empty_like(code) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, code)
+    return [bytes(x.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for x in every]
 
 
 def destroy_distributed(together: bool = True) -> None:

@@ -36,3 +36,13 @@ def test_a_damaged_or_unwritable_cache_only_means_measuring(tmp_path, monkeypatc
     monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(blocked / "sub"))
     value, source = machine_cache.remember("peak", torch.device("cpu"), lambda: 3.0)
     assert value == 3.0 and "not writable" in source
+
+
+def test_a_rate_keeps_the_best_measurement(tmp_path, monkeypatch):
+    """A peak first measured on a busy machine (low) is replaced by a later, higher one."""
+    monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    assert machine_cache.remember("peak", cpu, lambda: 0.03, best=max)[0] == 0.03
+    assert machine_cache.remember("peak", cpu, lambda: 0.09, best=max)[0] == 0.09
+    value, source = machine_cache.remember("peak", cpu, lambda: 0.05, best=max)
+    assert value == 0.09 and source.startswith("best measured")

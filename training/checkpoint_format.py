@@ -45,6 +45,8 @@ __all__ = [
     "write_tensors",
     "write_tensors_streaming",
     "SAFETENSORS_DTYPES",
+    "DTYPES_BY_SAFETENSORS_NAME",
+    "DTYPES_BY_NAME",
     "read_layouts",
     "optimizer_layouts",
     "reassemble",
@@ -108,6 +110,9 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+# The inverse maps: a header's safetensors name, and a layout entry's "dtype" (torch's name).
+DTYPES_BY_SAFETENSORS_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+DTYPES_BY_NAME = {str(dtype).removeprefix("torch."): dtype for dtype in SAFETENSORS_DTYPES}
 
 
 def write_tensors_streaming(

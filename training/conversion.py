@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from families.base import ModelFamily, family_for_hf, get_family
+from families.base import ModelFamily, family_for_hf_directory, get_family
 from fp8train.convert import apply_level_storage
 from fp8train.precision import get_recipe
 from models.context import BuildContext
@@ -244,8 +244,7 @@ def import_hf(
 ) -> Path:
     """A Hugging Face model directory as a weights-only native checkpoint in ``layout``."""
     directory = Path(directory)
-    hf = json.loads((directory / "config.json").read_text())
-    family = family_for_hf(hf.get("model_type"))
+    family = family_for_hf_directory(directory)
     imported = family.import_hf(directory, divisible_by)
     cfg = config_from_dict(
         {"model": imported.model_section, "precision": {"level": "fp32"}}, family.name

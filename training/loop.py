@@ -13,6 +13,7 @@ import torch.distributed as dist
 from data.sampler import micro_batches
 from fp8train import device as devices
 from fp8train.optim_states import grad_of
+from parallel.topology import gather_texts
 from training.checkpoint_format import optimizer_layouts
 from training.checkpointing import (
     check_format,
@@ -172,16 +173,7 @@ def _first_nonfinite_gradient(state: RunState) -> str:
         if grad is not None and not bool(torch.isfinite(grad).all()):
             found = name
             break
-    if not dist.is_initialized():
-        return found or "none found"
-    code = torch.zeros(256, dtype=torch.uint8)
-    raw = found.encode()[:256]
-    code[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    code = code.to(state.device)
-    every = [torch.empty_like(code) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, code)
-    for rank, item in enumerate(every):
-        name = bytes(item.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    for rank, name in enumerate(gather_texts(found, state.device)):
         if name:
             return f"{name} (rank {rank})"
     return "none found"
@@ -403,7 +395,7 @@ def _peak(state: RunState) -> tuple[float, str]:
     known = peak_tflops_for(name, state.recipe.gemm)
     if known is not None:
         return known, f"dense {state.recipe.gemm} peak of {name}"
-    peak, source = remember("fp32-matmul-tflops", state.device, measure_cpu_peak_tflops)
+    peak, source = remember("fp32-matmul-tflops", state.device, measure_cpu_peak_tflops, best=max)
     return float(peak), f"fp32 matmul rate of {name}, {source}"
 
 

@@ -41,7 +41,13 @@ from safetensors import safe_open
 
 from fp8train.formats import E4M3
 from fp8train.optim_states import quantize_into_
-from training.checkpoint_format import LAYOUT_KEY, expected_files, read_layouts
+from training.checkpoint_format import (
+    DTYPES_BY_NAME,
+    DTYPES_BY_SAFETENSORS_NAME,
+    LAYOUT_KEY,
+    expected_files,
+    read_layouts,
+)
 from training.checkpointing import CheckpointError, check_format, read_metadata
 
 __all__ = [
@@ -121,6 +127,13 @@ class SourceCheckpoint:
                 f"tensor-parallel shards of {name!r} present"
             )
         return shards
+
+    def stored(self, kind: str, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one stored piece of ``name``, from the file header alone."""
+        _, file = next(iter(self.shards(kind, name).values()))
+        with safe_open(str(file), framework="pt") as f:
+            piece = f.get_slice(name)
+            return tuple(piece.get_shape()), DTYPES_BY_SAFETENSORS_NAME[piece.get_dtype()]
 
     def read(self, kind: str, name: str, tp_rank: int) -> torch.Tensor:
         layout, file = self.shards(kind, name)[tp_rank]
@@ -208,7 +221,7 @@ class _Resharder:
         s_tp = src["tp_size"] if src["partition_dim"] is not None else 1
         t_tp = tl["tp_size"] if tl["partition_dim"] is not None else 1
         t_rank = tl["tp_rank"] if t_tp > 1 else 0
-        source_full = self._local_shape(name, src, shards)[dim] * s_tp
+        source_full = self.source.stored(self.kind, name)[0][dim] * s_tp
         target_full = target.shape[dim] * t_tp
         ranks, parts, index = _source_group(s_tp, t_tp, t_rank)
         if source_full != target_full:  # the vocabulary's padding differs: via the full tensor
@@ -230,12 +243,7 @@ class _Resharder:
         return _store(name, _sub_shard(joined, dim, blocks, parts, index).contiguous(), target)
 
     def _dtype(self, name: str, layout: dict) -> torch.dtype:
-        return _DTYPES_BY_NAME[layout["dtype"]]
-
-    def _local_shape(self, name, layout, shards) -> tuple[int, ...]:
-        _, file = next(iter(shards.values()))
-        with safe_open(str(file), framework="pt") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return DTYPES_BY_NAME[layout["dtype"]]
 
     def _repad(self, name: str, full: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         if name.split(":")[0] not in self.vocab_tensors or self.vocab_size is None or dim != 0:
@@ -283,15 +291,6 @@ def _store(name: str, value: torch.Tensor, target: Target) -> dict[str, torch.Te
         data, scale = requantize(value, target.dtype, name)
         return {name: data, scale_name: scale}
     return {name: value.to(target.dtype)}
-
-
-_DTYPES_BY_NAME = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-        torch.float8_e5m2, torch.int64, torch.int32, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
 
 
 def reshard(
@@ -344,12 +343,11 @@ def optimizer_targets(
         split = base.layout["partition_dim"] is not None or base.layout["per_shard"]
         names = by_param.get(param, [])
         for name in names:
-            layout, file = next(iter(source.shards("optimizer", name).values()))
-            with safe_open(str(file), framework="pt") as f:
-                shape = tuple(f.get_slice(name).get_shape())
-                dtype = f.get_slice(name).get_dtype()
-            dtype = _DTYPES[dtype]
-            if layout["partition_dim"] is not None or _param_shaped(source, param, name, shape):
+            layout = next(iter(source.shards("optimizer", name).values()))[0]
+            shape, dtype = source.stored("optimizer", name)
+            # a state of the parameter's shape (stored unsplit: compare with the parameter)
+            param_shaped = shape != () and source.stored("model", param)[0] == shape
+            if layout["partition_dim"] is not None or param_shaped:
                 entry = {**base.layout, "per_shard": False}
                 entry.pop("scale_inv", None)
                 if f"{name}_scale_inv" in names:
@@ -361,28 +359,6 @@ def optimizer_targets(
                 entry.pop("scale_inv", None)
                 out[name] = Target(entry, shape, dtype)
     return out
-
-
-def _param_shaped(source: SourceCheckpoint, param: str, name: str, shape: tuple) -> bool:
-    """Whether an unsplit stored state has its (unsplit) parameter's shape."""
-    layout, file = next(iter(source.shards("model", param).values()))
-    with safe_open(str(file), framework="pt") as f:
-        return tuple(f.get_slice(param).get_shape()) == shape and shape != ()
-
-
-# safetensors' dtype names -> torch dtypes, for the ones a checkpoint holds.
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def layout_of(metadata: dict) -> dict:

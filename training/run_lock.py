@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from parallel.topology import gather_texts
 from training.checkpointing import CheckpointError
 
 __all__ = ["RunLock", "acquire_run_lock", "die_with_parent"]
@@ -69,13 +69,7 @@ def acquire_run_lock(directory: str | os.PathLike, rank: int, device: torch.devi
     """Collective: rank 0 takes the lock and every rank learns whether it got it; a refusal
     raises ``CheckpointError`` on every rank with rank 0's reason."""
     fd, reason = _try_lock(Path(directory)) if rank == 0 else (None, "")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        code = torch.zeros(512, dtype=torch.uint8)
-        raw = reason.encode()[:512]
-        code[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        code = code.to(device)
-        dist.broadcast(code, src=0)
-        reason = bytes(code.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    reason = gather_texts(reason, device)[0]  # rank 0's
     if reason:
         raise CheckpointError(reason)
     return RunLock(fd)
