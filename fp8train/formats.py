@@ -11,6 +11,7 @@ turning them into NaN (E4M3FN has no inf, so ml_dtypes/numpy-style casts give Na
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,14 @@ class FP8Format:
         # The literals are the spec; finfo is the implementation. They must agree.
         if fi.max != self.max or fi.smallest_normal != self.min_normal:
             raise ValueError(f"{self.name}: literals disagree with torch.finfo({self.dtype})")
+
+    @property
+    def clip_threshold(self) -> float:
+        """The magnitude above which a cast clips rather than rounds: the maximum plus half
+        its unit in the last place (448 + 16 for E4M3, 57344 + 4096 for E5M2). Values between
+        the maximum and this round to the maximum as they would without saturation."""
+        mantissa_ulp = self.min_subnormal / self.min_normal  # 2^-(mantissa bits)
+        return self.max + 2.0 ** math.floor(math.log2(self.max)) * mantissa_ulp / 2
 
     def __repr__(self) -> str:
         return self.name

@@ -13,6 +13,7 @@ import torch
 from fp8train.convert import lower_linear_weights
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
+from fp8train.scaling import ScalingRecipe
 from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
 from training.optimizer import build_optimizer, clip_grad_norm
@@ -90,3 +91,55 @@ def test_audit_command_rejects_bad_input(capsys):
 
     assert main(["--levels", "O9"]) == 2
     assert "O9" in capsys.readouterr().err
+
+
+def _tracked_pass(layer: Linear, x: torch.Tensor) -> dict[str, float]:
+    layer.track_health = True
+    layer(x).sum().backward()
+    layer.track_health = False
+    return layer.fp8_stats()
+
+
+def test_saturation_counts_only_values_beyond_the_maximum():
+    """Current scaling maps the amax onto the format's maximum, so nothing is clipped, though
+    a few percent of a fresh weight round to the maximum (what the old count reported)."""
+    torch.manual_seed(0)
+    # The default (uniform) init: 3.6% of its values lie within 448/464 of the amax.
+    layer = Linear(256, 256, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="current"))
+    stats = _tracked_pass(layer, torch.randn(64, 256))
+    assert stats["weight_saturated"] == 0.0 and stats["input_saturated"] == 0.0
+    w = layer.weight.detach().float()
+    at_max = (w * (448.0 / w.abs().max())).to(torch.float8_e4m3fn).float().abs() == 448.0
+    assert at_max.float().mean() > 0.02  # what the old count reported as saturated
+
+
+def test_saturation_counts_the_values_a_stale_scale_clips():
+    """Delayed scaling after a 4x jump of the input: the values whose scaled magnitude lies
+    beyond 464 (448 plus half of E4M3's spacing of 32 there; below that a value rounds to 448
+    anyway), computed from the scale the layer used."""
+    torch.manual_seed(0)
+    layer = Linear(64, 32, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="delayed"))
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    for _ in range(3):
+        _tracked_pass(layer, torch.randn(128, 64))
+    x = torch.randn(128, 64) * 4
+    scale = layer.fp8_states()["input"].scale.clone()  # what this pass casts with
+    stats = _tracked_pass(layer, x)
+    expected = float(((x * scale).abs() > 464.0).float().mean())
+    assert expected > 0.001
+    assert stats["input_saturated"] == pytest.approx(expected, abs=1e-7)
+
+
+def test_clip_threshold_is_where_rounding_stops():
+    """Against ml_dtypes' own rounding (no saturation there): just below the threshold a value
+    still rounds to the maximum, just above it rounds past it (NaN or inf in ml_dtypes)."""
+    import ml_dtypes
+    import numpy as np
+
+    from fp8train.formats import E4M3, E5M2
+
+    for fmt, ref in ((E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2)):
+        below = np.float32(fmt.clip_threshold * (1 - 2**-20)).astype(ref).astype(np.float32)
+        above = np.float32(fmt.clip_threshold * (1 + 2**-20)).astype(ref).astype(np.float32)
+        assert below == fmt.max, fmt
+        assert not np.isfinite(above) or above > fmt.max, fmt
