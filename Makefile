@@ -15,11 +15,16 @@ venv: $(STAMP)
 
 # torch goes first and alone, pinned exactly: any range would fetch a CUDA build.
 $(STAMP): requirements.txt
+	@echo "fp8train: creating $(VENV) (once; about a minute or two)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "fp8train: [1/3] torch==2.13.0"
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "fp8train: [2/3] requirements.txt (megatron-core, sentencepiece, tensorboard, transformers, ...)"
 	$(BIN)/pip install -q -r requirements.txt
+	@echo "fp8train: [3/3] this project (editable)"
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+	@echo "fp8train: $(VENV) ready"
 
 # The config and its layout on NPROC ranks are checked before torchrun starts, so a mistake
 # costs one line, not a traceback per rank. training.launcher is torchrun ending with one line:
@@ -29,6 +34,7 @@ train: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m training.launcher --standalone --nproc_per_node $(NPROC) --max-restarts $(MAX_RESTARTS) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
 test: venv
+	@echo "fp8train: running the test suite (about 10 minutes on 2 CPU cores; a dot per test)"
 	$(BIN)/python -m pytest -q tests
 
 lint: venv

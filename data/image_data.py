@@ -66,6 +66,7 @@ __all__ = [
     "digits_source",
     "folder_source",
     "packed_source",
+    "check_source",
     "write_packed",
     "split_indices",
     "channel_mean_std",
@@ -104,6 +105,7 @@ def _one_line(err: BaseException) -> str:
 class _DigitsSource:
     description = "sklearn.datasets.load_digits"
     channels = 1
+    classes = [str(k) for k in range(10)]
 
     def __init__(self) -> None:
         from sklearn.datasets import load_digits  # bundled with the package: no download
@@ -115,7 +117,6 @@ class _DigitsSource:
         pixels.flags.writeable = False
         self._pixels = pixels[..., None]  # [N, 8, 8, 1]
         self.labels = np.asarray(digits.target, dtype=np.int64)
-        self.classes = [str(k) for k in range(10)]
 
     def __len__(self) -> int:
         return self._pixels.shape[0]
@@ -145,13 +146,7 @@ class _FolderSource:
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels}")
         base = Path(root)
-        if not base.is_dir():
-            raise ValueError(f"image folder {str(base)!r} does not exist or is not a directory")
-        classes = sorted(
-            p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")
-        )
-        if not classes:
-            raise ValueError(f"image folder {str(base)!r} has no class sub-folders")
+        classes = _class_folders(base)
         files: list[str] = []
         labels: list[int] = []
         for k, name in enumerate(classes):
@@ -186,6 +181,15 @@ class _FolderSource:
             raise ValueError(f"{path}: cannot decode image ({_one_line(err)})") from None
         pixels = np.asarray(rgb_or_l, dtype=np.uint8)
         return pixels.reshape(pixels.shape[0], pixels.shape[1], self.channels)
+
+
+def _class_folders(base: Path) -> list[str]:
+    if not base.is_dir():
+        raise ValueError(f"image folder {str(base)!r} does not exist or is not a directory")
+    classes = sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise ValueError(f"image folder {str(base)!r} has no class sub-folders")
+    return classes
 
 
 def folder_source(root: str | os.PathLike[str], channels: int = 3) -> _FolderSource:
@@ -269,6 +273,19 @@ def _read_packed_meta(prefix: str) -> dict[str, Any]:
 def packed_source(prefix: str | os.PathLike[str]) -> _PackedSource:
     """The images :func:`write_packed` wrote at ``prefix`` (the .bin is memory-mapped lazily)."""
     return _PackedSource(prefix)
+
+
+def check_source(kind: str, path: str | os.PathLike[str] | None, channels: int = 3):
+    """Pre-flight of a source, decoding no image: ``(class names, channels)``. "digits" is
+    bundled; "folder" checks the root and its class sub-folders (their images are listed when
+    the run opens the folder); "packed" checks the whole index and the sizes. Raises
+    ValueError naming the path."""
+    if kind == "digits":
+        return list(_DigitsSource.classes), _DigitsSource.channels
+    if kind == "folder":
+        return _class_folders(Path(path)), channels
+    source = packed_source(path)
+    return source.classes, source.channels
 
 
 # -- packing -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ __all__ = [
     "write_indexed_dataset",
     "read_indexed_dataset",
     "read_index_stats",
+    "check_index_header",
     "import_megatron",
 ]
 
@@ -160,4 +161,55 @@ def read_index_stats(prefix: str | os.PathLike[str]) -> IndexStats:
         num_documents=int(doc_count) - 1,  # document_indices start with a leading 0
         num_tokens=int(lengths.sum(dtype=np.int64)),
         dtype=_dtype_from_code(idx_path, code),
+    )
+
+
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents: 34 bytes
+
+
+def check_index_header(prefix: str | os.PathLike[str]) -> IndexStats:
+    """Check that ``prefix`` is a readable Megatron indexed dataset without reading it: the
+    ``.idx`` header (magic, version, dtype), the ``.idx`` size its counts imply, and the
+    ``.bin`` size the last sequence's pointer and length imply (two values read by seek).
+    Raises FileNotFoundError / ValueError naming the file; returns the counts (tokens from
+    the ``.bin`` size)."""
+    base = check_prefix(prefix)
+    idx_path, bin_path = base + ".idx", base + ".bin"
+    try:
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size or head[:9] != _IDX_MAGIC:
+                raise ValueError(f"{idx_path!r} is not a Megatron MMIDIDX index file")
+            _, version, code, sequences, documents = _HEADER.unpack(head)
+            if version != 1:
+                raise ValueError(f"{idx_path!r}: unsupported index version {version}")
+            dtype = _dtype_from_code(idx_path, code)
+            # lengths int32[sequences], pointers int64[sequences], document indices int64[documents]
+            expected = _HEADER.size + 12 * sequences + 8 * documents
+            actual = os.fstat(f.fileno()).st_size
+            if actual != expected or documents < 1:
+                raise ValueError(
+                    f"{idx_path!r} holds {actual} bytes, its header describes {expected} "
+                    f"({sequences} sequences, {documents} document indices): truncated or damaged"
+                )
+            last_end = 0
+            if sequences:
+                f.seek(_HEADER.size + 4 * (sequences - 1))
+                (length,) = struct.unpack("<i", f.read(4))
+                f.seek(_HEADER.size + 4 * sequences + 8 * (sequences - 1))
+                (pointer,) = struct.unpack("<q", f.read(8))
+                last_end = pointer + length * dtype.itemsize
+        with open(bin_path, "rb") as f:
+            bin_size = os.fstat(f.fileno()).st_size
+    except OSError as err:
+        raise ValueError(f"cannot read {err.filename!r}: {err.strerror}") from None
+    if bin_size != last_end:
+        raise ValueError(
+            f"{bin_path!r} holds {bin_size} bytes, its index describes {last_end}: truncated "
+            "or not the index's data file"
+        )
+    return IndexStats(
+        num_documents=int(documents) - 1,  # document indices start with a leading 0
+        num_tokens=bin_size // dtype.itemsize,
+        dtype=dtype,
     )

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from data.corpus import corpus_fingerprint, iter_texts, stdlib_documents, stdlib_root
-from data.indexed import check_prefix, dataset_prefix, read_index_stats, write_indexed_dataset
+from data.indexed import check_index_header, dataset_prefix, write_indexed_dataset
+from data.paths import check_directory
 from data.tokenizer import (
     DEFAULT_MAX_SENTENCES,
     SentencePieceTokenizer,
@@ -45,6 +46,9 @@ __all__ = [
     "prepare_corpus_data",
     "prepare_default_data",
     "prepare_data_from_prefix",
+    "prepare_text_data",
+    "find_default_data",
+    "check_text_data",
 ]
 
 logger = logging.getLogger(__name__)
@@ -234,14 +238,23 @@ def prepare_data_from_prefix(
 
     ``tokenizer_type``: "sentencepiece" (``tokenizer_model`` is a ``.model`` file) or
     "huggingface" (a ``tokenizer.json`` or its directory). Raises FileNotFoundError naming the
-    missing file, or ValueError when the tokenizer is unusable (no end-of-document token) or
-    the token dtype of the index cannot hold the tokenizer's ids.
+    missing file, or ValueError when the tokenizer is unusable (no end-of-document token),
+    the token dtype of the index cannot hold the tokenizer's ids, or the files are not a
+    complete Megatron indexed dataset (``check_index_header``).
     """
-    prefix = os.fspath(data_prefix)
+    tokenizer = _usable_tokenizer(tokenizer_type, tokenizer_model)
+    return _describe_prefix(data_prefix, tokenizer, tokenizer_model, tokenizer_type)
+
+
+def _usable_tokenizer(tokenizer_type: str, tokenizer_model):
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model)
     _ = tokenizer.eod  # documents end with it: a tokenizer without one fails here, not later
-    check_prefix(prefix)
-    stats = read_index_stats(prefix)
+    return tokenizer
+
+
+def _describe_prefix(data_prefix, tokenizer, tokenizer_model, tokenizer_type) -> PreparedData:
+    prefix = os.fspath(data_prefix)
+    stats = check_index_header(prefix)  # the header and file sizes; the data is not read
     vocab_size = tokenizer.vocab_size
     if stats.dtype.kind in "ui" and vocab_size - 1 > np.iinfo(stats.dtype).max:
         raise ValueError(
@@ -277,10 +290,55 @@ def prepare_text_data(data_cfg, seed: int, rank: int, control_symbols: Sequence[
                 flush=True,
             )
         return prepared
+    return _prefix_data(data_cfg)
+
+
+def _prefix_data(data_cfg) -> PreparedData:
+    """``prepare_data_from_prefix`` of the ``data`` section, each error keyed by its culprit."""
+    model, kind = data_cfg.tokenizer_model, data_cfg.tokenizer_type
     try:
-        return prepare_data_from_prefix(
-            data_cfg.data_prefix, data_cfg.tokenizer_model, data_cfg.tokenizer_type
-        )
+        tokenizer = _usable_tokenizer(kind, model)
     except (FileNotFoundError, ValueError) as err:
-        key = "data.tokenizer_model" if "tokenizer" in str(err) else "data.data_prefix"
-        raise ValueError(f"{key}: {err}") from None
+        raise ValueError(f"data.tokenizer_model: {err}") from None
+    try:
+        return _describe_prefix(data_cfg.data_prefix, tokenizer, model, kind)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"data.data_prefix: {err}") from None
+
+
+def find_default_data(
+    cache_dir: str | os.PathLike[str],
+    vocab_size: int,
+    seed: int = 1234,
+    control_symbols: Sequence[str] = (),
+) -> PreparedData | None:
+    """The default corpus as ``prepare_default_data`` cached it, or None when that would
+    build it now. Reads the corpus's ``stat``s and the cache's ``prepared.json``; writes
+    nothing."""
+    root = stdlib_root()
+    fingerprint = corpus_fingerprint(stdlib_documents(root), root)
+    key = cache_key(fingerprint, vocab_size, seed, "stdlib", DEFAULT_MAX_SENTENCES, control_symbols)
+    return _load_cached(Path(cache_dir) / key)
+
+
+def check_text_data(
+    data_cfg, seed: int, control_symbols: Sequence[str] = ()
+) -> PreparedData | None:
+    """Pre-flight of ``prepare_text_data``, building and writing nothing: a user's prefix
+    must be a complete Megatron indexed dataset (header and sizes) with a tokenizer that
+    loads; the default corpus, when already built, likewise, and when still to be built,
+    ``data.cache_dir`` must be creatable. Returns what ``prepare_text_data`` would (None
+    while the default corpus is unbuilt); a problem is a ``ValueError`` starting with the
+    config key."""
+    if data_cfg.corpus != "stdlib":
+        return _prefix_data(data_cfg)
+    cached = find_default_data(data_cfg.cache_dir, data_cfg.vocab_size, seed, control_symbols)
+    if cached is None:
+        check_directory("data.cache_dir", data_cfg.cache_dir)
+        return None
+    try:  # a damaged cache is the cache directory's problem
+        cached.tokenizer()
+        check_index_header(cached.data_prefix)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"data.cache_dir: {err} (delete that cache entry to rebuild it)") from None
+    return cached

@@ -127,6 +127,16 @@ class ModelFamily(ABC):
         0 = in the training process (cheap items: memory-mapped token windows)."""
         return 0
 
+    def preflight(self, cfg) -> Any:
+        """Check before any worker starts, building and writing nothing, what
+        ``prepare_data`` would find wrong: data files missing or not in their format, a
+        tokenizer that does not load, a cache directory that cannot be created; raise
+        ``ValueError`` starting with the config key (training/preflight.py). Return this
+        run's model config (``model_config`` for ``cfg.parallel.tensor``) when it is known
+        without building anything, so a checkpoint to resume is checked against it there;
+        else None. Default: no checks, None (the checks happen in ``prepare_data``)."""
+        return None
+
     @abstractmethod
     def prepare_data(self, cfg, rank: int) -> Any:
         """Make the data usable (build caches, train a tokenizer) and return what the other

@@ -16,7 +16,8 @@ from typing import ClassVar, Literal
 import torch
 
 from data.gpt_data import build_gpt_datasets
-from data.prepare import prepare_text_data
+from data.paths import check_directory
+from data.prepare import check_text_data, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
 from families.config_fields import doc_field
@@ -88,6 +89,16 @@ class GPTFamily(ModelFamily):
     model_section = GPTModelSection
     metric_names = ("lm loss",)
     perplexity_metrics = ("lm loss",)
+
+    def preflight(self, cfg) -> GPTConfig | None:
+        """The data files' headers and the tokenizer (data/prepare.py ``check_text_data``),
+        and ``data.cache_dir``, where megatron-core's sample indices go."""
+        prepared = check_text_data(cfg.data, cfg.training.seed)
+        check_directory("data.cache_dir", cfg.data.cache_dir)
+        if prepared is None:  # the default corpus, built when the run starts
+            return None
+        data = GPTData(prepared.tokenizer(), prepared.data_prefix)
+        return self.model_config(cfg, data, cfg.parallel.tensor)
 
     def prepare_data(self, cfg, rank: int) -> GPTData:
         prepared = prepare_text_data(cfg.data, cfg.training.seed, rank)

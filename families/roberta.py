@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
-from data.prepare import prepare_text_data
+from data.prepare import check_text_data, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import (
     HFImport,
@@ -136,6 +136,18 @@ class RobertaData:
         )  # fmt: skip
 
 
+def _roberta_data(prepared) -> RobertaData:
+    """The prepared corpus with its tokenizer, which must have the masked-LM pieces."""
+    tokenizer = prepared.tokenizer()
+    for piece, token_id in (("<mask>", tokenizer.mask), ("<pad>", tokenizer.pad)):
+        if token_id < 0:
+            raise ValueError(
+                f"data.tokenizer_model: {prepared.tokenizer_model} has no {piece} piece "
+                "(masked-LM training needs <s>, </s>, <pad> and <mask>)"
+            )
+    return RobertaData(tokenizer, prepared.data_prefix)
+
+
 class RobertaFamily(ModelFamily):
     name = "roberta"
     model_section = RobertaModelSection
@@ -148,16 +160,16 @@ class RobertaFamily(ModelFamily):
             return self.metric_names
         return self.metric_names[:2]
 
+    def preflight(self, cfg) -> RobertaConfig | None:
+        """The data files' headers and the tokenizer with its masked-LM pieces."""
+        prepared = check_text_data(cfg.data, cfg.training.seed, ("<mask>",))
+        if prepared is None:  # the default corpus, built when the run starts
+            return None
+        return self.model_config(cfg, _roberta_data(prepared), cfg.parallel.tensor)
+
     def prepare_data(self, cfg, rank: int) -> RobertaData:
         prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, ("<mask>",))
-        tokenizer = prepared.tokenizer()
-        for piece, token_id in (("<mask>", tokenizer.mask), ("<pad>", tokenizer.pad)):
-            if token_id < 0:
-                raise ValueError(
-                    f"data.tokenizer_model: {prepared.tokenizer_model} has no {piece} piece "
-                    "(masked-LM training needs <s>, </s>, <pad> and <mask>)"
-                )
-        return RobertaData(tokenizer, prepared.data_prefix)
+        return _roberta_data(prepared)
 
     def model_config(self, cfg, data: RobertaData, tensor_parallel: int) -> RobertaConfig:
         vocab = pad_vocab_size(

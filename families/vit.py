@@ -105,6 +105,24 @@ def _source(kind: str, path: str | None, channels: int):
     return packed_source(path)
 
 
+def _keyed(key: str, open_source, *args):
+    """``open_source(*args)``; its error as a ValueError starting with ``key``."""
+    try:
+        return open_source(*args)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"{key}: {err}") from None
+
+
+def _check_channel_values(mean, std, channels: int) -> None:
+    for key, values in (("data.mean", mean), ("data.std", std)):
+        if values is not None and len(values) not in (1, channels):
+            raise ValueError(f"{key} has {len(values)} values; the images have {channels} channels")
+
+
+def _model_config(cfg, classes, channels: int) -> ViTConfig:
+    return cfg.model.resolved(num_classes=len(classes), num_channels=channels)
+
+
 class ViTFamily(ModelFamily):
     name = "vit"
     model_section = ViTModelSection
@@ -112,20 +130,26 @@ class ViTFamily(ModelFamily):
     metric_names = ("loss", "accuracy")
     sample_unit = "images"
 
+    def preflight(self, cfg) -> ViTConfig:
+        """The sources' roots, class folders or packed index (no image decoded) and the
+        given normalisation statistics' lengths."""
+        from data.image_data import check_source
+
+        d = cfg.data
+        classes, channels = _keyed("data.path", check_source, d.dataset, d.path, d.channels)
+        if d.valid_path is not None:
+            _keyed("data.valid_path", check_source, d.dataset, d.valid_path, d.channels)
+        _check_channel_values(d.channel_values("mean"), d.channel_values("std"), channels)
+        return _model_config(cfg, classes, channels)
+
     def prepare_data(self, cfg, rank: int) -> ViTData:
         from data.image_data import channel_mean_std, split_indices
 
         d = cfg.data
-        try:
-            source = _source(d.dataset, d.path, d.channels)
-        except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"data.path: {err}") from None
+        source = _keyed("data.path", _source, d.dataset, d.path, d.channels)
         valid = None
         if d.valid_path is not None:
-            try:
-                valid = _source(d.dataset, d.valid_path, d.channels)
-            except (FileNotFoundError, ValueError) as err:
-                raise ValueError(f"data.valid_path: {err}") from None
+            valid = _keyed("data.valid_path", _source, d.dataset, d.valid_path, d.channels)
         mean, std = d.channel_values("mean"), d.channel_values("std")
         if mean is None or std is None:
             # Measured on the training part only (the validation images stay unseen).
@@ -133,15 +157,11 @@ class ViTFamily(ModelFamily):
             m, s = channel_mean_std(source, train)
             mean = mean or tuple(float(x) for x in m)
             std = std or tuple(float(x) for x in s)
-        for key, values in (("data.mean", mean), ("data.std", std)):
-            if len(values) not in (1, source.channels):
-                raise ValueError(
-                    f"{key} has {len(values)} values; the images have {source.channels} channels"
-                )
+        _check_channel_values(mean, std, source.channels)
         return ViTData(source, valid, tuple(mean), tuple(std))
 
     def model_config(self, cfg, data: ViTData, tensor_parallel: int) -> ViTConfig:
-        return cfg.model.resolved(num_classes=len(data.classes), num_channels=data.source.channels)
+        return _model_config(cfg, data.classes, data.source.channels)
 
     def build_model(self, config: ViTConfig, ctx, pipeline) -> ViTModel:
         return ViTModel(config, ctx, pipeline)

@@ -570,11 +570,20 @@ def test_resume_with_distributed_optimizer(tiny_data, tmp_path):
     proc = torchrun(2, config + tiny_overrides(tiny_data, resumed, "O2", **extra))
     assert "resumed from" in proc.stdout
     assert [r["lm loss"] for r in _records(resumed)] == [r["lm loss"] for r in _records(straight)]
+    # A complete run says so and builds nothing: no records, no new TensorBoard file.
+    events = sorted((resumed / "tensorboard").iterdir())
+    ranks = launch(2, config + tiny_overrides(tiny_data, resumed, "O2", **extra))
+    for code, _, err in ranks:
+        assert code == 0, err
+    assert "training already complete" in ranks[1][1] and "fp8train: level" not in ranks[1][1]
+    assert sorted((resumed / "tensorboard").iterdir()) == events
+    assert len(_records(resumed)) == 6
     # Without the distributed optimizer the same checkpoint loads too: its shards are
-    # gathered into each replica's full optimizer state (training/reshard.py).
-    replicated = {**extra, "optimizer.distributed": "false"}
+    # gathered into each replica's full optimizer state (training/reshard.py); one more step.
+    replicated = {**extra, "optimizer.distributed": "false", "training.train_iters": 7}
     ranks = launch(2, config + tiny_overrides(tiny_data, resumed, "O2", **replicated))
     for code, _, err in ranks:
         assert code == 0, err
-    assert "resharded" in ranks[1][1] and "training already complete" in ranks[1][1]
-    assert len(_records(resumed)) == 6  # nothing appended
+    assert "resharded" in ranks[1][1]
+    assert [r["iteration"] for r in _records(resumed)] == [1, 2, 3, 4, 5, 6, 7]
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "iter_0000007"

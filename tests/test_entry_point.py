@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,12 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2 (tp 1 pp 1 dp 2)" in proc.stdout
+    # The start-up line says where everything goes; each console line has an ETA.
+    assert f"> run: metrics {two}/metrics.jsonl, TensorBoard {two}/tensorboard, checkpoints " in (
+        proc.stdout
+    )
+    assert re.search(r"iteration +3/ +6 \| ETA: \d+:\d\d \|", proc.stdout)
+    assert re.search(r"iteration +6/ +6 \| ETA: 0:00 \|", proc.stdout)
 
     one = tmp_path / "one"
     pretrain(
@@ -89,10 +96,13 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
         assert tag in tags, tag
     assert [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3, 4, 5, 6]
 
-    # Same command again: resumes from the final checkpoint instead of starting over.
+    # Same command again: finds the final checkpoint complete and builds nothing (no second
+    # TensorBoard events file) instead of starting over.
+    events = sorted((two / "tensorboard").iterdir())
     again = _run(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "iteration        1/" not in again.stdout
+    assert "training already complete" in again.stdout and " iteration  " not in again.stdout
+    assert sorted((two / "tensorboard").iterdir()) == events
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,9 @@ Hugging Face tokenizer (``--tokenizer-type huggingface``: a converted model's ow
 
 ``--input`` is a JSON-lines file (one object per line, the text under each ``--json-keys``
 key) or a directory whose files (sorted by relative path) are one document each. An EOD token
-is appended to every document unless ``--no-append-eod``. Errors print one line, exit 2.
+is appended to every document unless ``--no-append-eod``. Progress (documents, rate, ETA) goes
+to stderr: a line rewritten in place on a terminal, a line every 10 s in a log. Errors print
+one line, exit 2.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from data.corpus import iter_texts  # noqa: E402
 from data.indexed import dataset_prefix, write_indexed_dataset  # noqa: E402
+from data.progress import track  # noqa: E402
 from data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     HFTokenizer,
@@ -39,7 +42,7 @@ from data.tokenizer import (  # noqa: E402
     train_sentencepiece,
 )
 
-__all__ = ["main", "build_parser", "iter_input_texts"]
+__all__ = ["main", "build_parser", "count_input_documents", "iter_input_texts"]
 
 _PROG = "preprocess_data.py"
 _BATCH = 64
@@ -120,6 +123,16 @@ def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
             if not isinstance(text, str):
                 raise UsageError(f"{path}:{lineno}: value of {key!r} is not a string")
             yield text
+
+
+def count_input_documents(input_path: str, pattern: str = "*") -> int:
+    """Documents ``iter_input_texts`` will yield (a directory's files, a JSON-lines file's
+    non-blank lines): one quick pass, so the progress line can show an ETA."""
+    path = Path(input_path)
+    if path.is_dir():
+        return len(_directory_files(path, pattern))
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def iter_input_texts(input_path: str, key: str, pattern: str = "*") -> Iterator[str]:
@@ -211,9 +224,13 @@ def _run(args: argparse.Namespace) -> None:
     for key in args.json_keys:
         prefix = dataset_prefix(args.output_prefix, key)
         skipped = [0]
-        docs = _encoded(
-            tokenizer, iter_input_texts(args.input, key, args.pattern), args.append_eod, skipped
+        texts = track(
+            iter_input_texts(args.input, key, args.pattern),
+            f"tokenizing {key}",
+            total=count_input_documents(args.input, args.pattern),
+            size=lambda text: len(text.encode()),
         )
+        docs = _encoded(tokenizer, texts, args.append_eod, skipped)
         stats = write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
         if stats.num_documents == 0:
             for suffix in (".bin", ".idx"):

@@ -45,6 +45,13 @@ __all__ = [
     "optimizer_file",
     "fp8_replica_file",
     "save_checkpoint",
+    "SaveTarget",
+    "RankFiles",
+    "begin_save",
+    "rank_files",
+    "snapshot_tensors",
+    "write_rank_files",
+    "publish_save",
     "load_checkpoint",
     "latest_checkpoint",
     "read_metadata",
@@ -138,37 +145,128 @@ def save_checkpoint(
     Crash safety: every file is flushed to disk (fsync) before the directory is published,
     and ``latest`` names a complete checkpoint at every moment, a re-save of the iteration it
     names included (``_publish``); a kill at any point leaves the previous or the new one.
+    The three phases (``begin_save``, ``write_rank_files``, ``publish_save``) are also what
+    ``training/async_checkpoint.py`` runs, with the writing on a background thread.
     """
+    target = begin_save(directory, iteration, rank)
+    write_rank_files(rank_files(target, files, metadata, device, rank, copy=False))
+    _barrier()  # every rank's files are on disk
+    publish_save(target, rank, keep_last)
+    return target.final
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where one checkpoint is written (``tmp``) and published (``final``) under ``root``."""
+
+    root: Path
+    tmp: Path
+    final: Path
+
+    @property
+    def iteration(self) -> int:
+        return int(self.final.name.removeprefix("iter_"))
+
+
+@dataclass
+class RankFiles:
+    """What one rank writes into one checkpoint: its tensor files, its RNG states and (rank 0)
+    the metadata as JSON text, all fixed at the save's iteration."""
+
+    target: SaveTarget
+    files: dict[str, tuple[dict[str, torch.Tensor], dict]]
+    rng: dict[str, torch.Tensor]
+    rank: int
+    metadata_json: str | None
+
+
+def begin_save(directory: str | os.PathLike, iteration: int, rank: int) -> SaveTarget:
+    """Collective, first phase of a save: rank 0 finishes or clears what killed saves left
+    (``_recover``) and makes a fresh temporary directory, which every rank then writes into.
+    No save may be in flight: ``_recover`` removes every ``.tmp_*`` directory."""
     root = Path(directory)
     name = f"iter_{iteration:07d}"
-    tmp = root / f".tmp_{name}"
-    final = root / name
+    target = SaveTarget(root, root / f".tmp_{name}", root / name)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _recover(root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        shutil.rmtree(target.tmp, ignore_errors=True)
+        target.tmp.mkdir()
     _barrier()
+    return target
+
+
+def rank_files(
+    target: SaveTarget,
+    files: dict[str, tuple[dict[str, torch.Tensor], dict]],
+    metadata: dict,
+    device: torch.device,
+    rank: int,
+    *,
+    copy: bool,
+) -> RankFiles:
+    """This rank's part of the checkpoint, taken now: the RNG states and the metadata (as
+    JSON text: the caller may change its dicts afterwards). ``copy``: the tensors as private
+    host copies (``snapshot_tensors``) that training may not touch while a background thread
+    writes them; without it they are written from the live tensors before anything else runs."""
+    meta = dict(metadata, iteration=target.iteration, format_version=FORMAT_VERSION)
+    if copy:
+        files = {name: (snapshot_tensors(t, device), lay) for name, (t, lay) in files.items()}
+    return RankFiles(
+        target=target,
+        files=files,
+        rng=_own_tensors(rng_state_tensors(device)),
+        rank=rank,
+        metadata_json=json.dumps(meta, indent=2, sort_keys=True) if rank == 0 else None,
+    )
+
+
+def snapshot_tensors(
+    tensors: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Private, contiguous host copies of ``tensors`` (never views: the optimizer step after
+    the save must not change what is written; tied tensors get one copy each, as safetensors
+    wants). From an accelerator the copies go into pinned memory without blocking, then one
+    device synchronisation makes them all valid."""
+    accelerator = device.type != "cpu"
+    out = {}
+    for name, value in tensors.items():
+        value = value.detach()
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=accelerator)
+        out[name] = host.copy_(value, non_blocking=accelerator)
+    if accelerator:
+        from fp8train import device as devices
+
+        devices.synchronize(device)
+    return out
+
+
+def write_rank_files(part: RankFiles) -> None:
+    """Second phase of a save, no collectives (it may run on a background thread): write this
+    rank's files into the temporary directory and flush each to disk."""
+    tmp = part.target.tmp
     written = []
-    for file_name, (tensors, layouts) in files.items():
+    for file_name, (tensors, layouts) in part.files.items():
         write_tensors(tmp / file_name, tensors, layouts)
         written.append(tmp / file_name)
-    rng_file = tmp / f"rng_rank{rank}.safetensors"
-    save_file(_own_tensors(rng_state_tensors(device)), str(rng_file))
+    rng_file = tmp / f"rng_rank{part.rank}.safetensors"
+    save_file(part.rng, str(rng_file))
     written.append(rng_file)
-    if rank == 0:
-        meta = dict(metadata, iteration=iteration, format_version=FORMAT_VERSION)
-        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if part.metadata_json is not None:
+        (tmp / "metadata.json").write_text(part.metadata_json)
         written.append(tmp / "metadata.json")
     for path in written:
         _fsync(path)
-    _barrier()
+
+
+def publish_save(target: SaveTarget, rank: int, keep_last: int) -> None:
+    """Collective, last phase of a save, once every rank's files are on disk (the caller has
+    agreed on that): rank 0 renames the directory into place, moves ``latest`` and prunes."""
     if rank == 0:
-        _fsync(tmp)
-        _publish(root, tmp, final)
-        _prune(root, keep_last)
+        _fsync(target.tmp)
+        _publish(target.root, target.tmp, target.final)
+        _prune(target.root, keep_last)
     _barrier()
-    return final
 
 
 def _fsync(path: Path) -> None:

@@ -156,7 +156,9 @@ class PrecisionConfig(_Section):
     fp8_gemm_backend: Literal["auto", "scaled_mm", "emulated"] = _f(
         "auto", "auto = torch._scaled_mm where it works, else emulated (cast, then GEMM)."
     )
-    initial_loss_scale: float = _f(65536.0, "Starting dynamic loss scale (fp16, O1-O3).", gt=0)
+    initial_loss_scale: float = _f(
+        65536.0, "Starting dynamic loss scale (fp16, O1, O2; every other level runs at 1.0).", gt=0
+    )
     loss_scale_window: int = _f(1000, "Steps without overflow before the scale doubles.", ge=1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale is halved.", ge=1)
     min_loss_scale: float = _f(1.0, "Lower bound of the loss scale.", gt=0)
@@ -246,6 +248,12 @@ class CheckpointConfig(_Section):
         "at this run's): fresh optimizer, scheduler, loss scale and FP8 scaling, iteration 0.",
     )
     keep_last: int = _f(2, "Checkpoints kept in checkpoint.dir; 0 keeps all.", ge=0)
+    async_save: bool = _f(
+        False,
+        "Write periodic checkpoints in the background: the step waits only for a copy of the "
+        "state in host memory (held until written), latest moves once every rank's files are "
+        "on disk, a few steps later; the last save of a run is published before it ends.",
+    )
 
 
 @dataclass(frozen=True)

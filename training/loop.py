@@ -3,8 +3,8 @@ checkpoint, resume. Megatron semantics: the logged loss is the mean over the log
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import os
 import time
 
 import torch
@@ -14,18 +14,16 @@ from data.sampler import micro_batches
 from fp8train import device as devices
 from fp8train.optim_states import grad_of
 from parallel.topology import gather_texts
+from training.async_checkpoint import CheckpointSaver
 from training.checkpoint_format import optimizer_layouts
 from training.checkpointing import (
     check_format,
     fp8_replica_file,
-    latest_checkpoint,
     load_checkpoint,
     model_file,
     optimizer_file,
     read_metadata,
-    resolve_checkpoint,
     restore_rng,
-    save_checkpoint,
 )
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
@@ -42,11 +40,12 @@ from training.reshard import (
     optimizer_targets,
     reshard,
 )
+from training.resume_check import check_compatible, find_resume, read_resume_metadata
 from training.run_lock import acquire_run_lock
 from training.setup import RunState, build_run, num_microbatches
 from training.signals import StopSignals
 
-__all__ = ["TrainingError", "pretrain"]
+__all__ = ["TrainingError", "checkpoint_files", "pretrain"]
 
 
 def _print(rank_logs: bool, *args) -> None:
@@ -213,57 +212,6 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
     return _per_metric(state, _sum_over_replicas(totals, state), clamp=True)
 
 
-def _find_resume(cfg: Config) -> tuple[object, bool]:
-    """``(checkpoint or None, weights only?)``: the run's own latest checkpoint first (a
-    restarted fine-tune continues itself), else ``checkpoint.load``."""
-    own = latest_checkpoint(cfg.resolved_checkpoint_dir()) if cfg.checkpoint.resume else None
-    if own is not None:
-        return own, False
-    if cfg.checkpoint.load:  # a checkpoint, or a checkpoints directory (its latest)
-        return resolve_checkpoint(cfg.checkpoint.load), cfg.checkpoint.finetune
-    return None, False
-
-
-# Model fields that shape no tensor: a resumed or fine-tuned run may change them.
-_FREE_FIELDS = frozenset(
-    {"vocab_size", "hidden_dropout", "attention_dropout", "recompute", "init_method_std",
-     "seq_length"}
-)  # fmt: skip
-
-
-def _check_compatible(state: RunState, saved: dict, path, weights_only: bool) -> None:
-    """A checkpoint must hold this run's model (compared as built configs, so keys left at
-    their defaults match explicit ones) and, unless only its weights are taken, this run's
-    precision level; name the first differing key. The parallel layout may differ: loading
-    reshards (training/reshard.py)."""
-    if saved.get("weights_only") and not weights_only:
-        raise ConfigError(
-            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
-            "start from it with checkpoint.finetune=true"
-        )
-    try:
-        old = state.family.config_from_checkpoint(saved)
-    except NotImplementedError:  # a family without it: compare the YAML sections
-        old, now = saved["config"]["model"], config_to_dict(state.cfg)["model"]
-        pairs = ((k, v, old.get(k)) for k, v in now.items())
-    else:
-        pairs = (
-            (f.name, getattr(state.model_config, f.name), getattr(old, f.name))
-            for f in dataclasses.fields(old)
-            if f.name not in _FREE_FIELDS
-        )
-    for key, value, before in pairs:
-        if value != before:
-            raise ConfigError(f"config: model.{key}={value!r} but checkpoint {path} has {before!r}")
-    old_level = saved["config"]["precision"]["level"]
-    if old_level != state.cfg.precision.level and not weights_only:
-        raise ConfigError(
-            f"config: precision.level={state.cfg.precision.level} but checkpoint {path} has "
-            f"{old_level}; take only its weights with checkpoint.finetune=true (the optimizer "
-            "state of one level does not convert to another's)"
-        )
-
-
 def _layout_now(state: RunState) -> dict:
     topo, cfg = state.groups.topology, state.cfg
     return {
@@ -279,7 +227,7 @@ def _restore(state: RunState, path, weights_only: bool = False) -> tuple[int, in
     topo = state.groups.topology
     metadata = read_metadata(path)
     check_format(path, metadata)
-    _check_compatible(state, metadata, path, weights_only)
+    check_compatible(state.family, state.cfg, state.model_config, metadata, path, weights_only)
     if weights_only:
         _load_weights(state, path)
         return 0, 0
@@ -338,7 +286,9 @@ def _restore_resharded(state: RunState, path) -> None:
     opt.load_state_tensors(reshard(source, "optimizer", wanted))
 
 
-def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> None:
+def checkpoint_files(state: RunState, consumed: int, counters: dict) -> tuple[dict, dict]:
+    """``(files, metadata)`` of a checkpoint now: the files THIS rank writes (file name ->
+    (tensors, layouts); the live tensors, not copies) and the metadata."""
     topo, model, opt = state.groups.topology, state.model, state.optimizer
     meta = {
         "config": config_to_dict(state.cfg),
@@ -367,14 +317,18 @@ def _save(state: RunState, iteration: int, consumed: int, counters: dict) -> Non
     if replica:
         scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
         files[replica] = (scaling, layouts)
-    save_checkpoint(
+    return files, meta
+
+
+def _saver(state: RunState, logs: bool) -> CheckpointSaver:
+    ckpt = state.cfg.checkpoint
+    return CheckpointSaver(
         state.cfg.resolved_checkpoint_dir(),
-        iteration,
-        files=files,
-        metadata=meta,
         device=state.device,
-        rank=topo.rank,
-        keep_last=state.cfg.checkpoint.keep_last,
+        rank=state.groups.topology.rank,
+        keep_last=ckpt.keep_last,
+        asynchronous=ckpt.async_save,
+        log=lambda text: _print(logs, text),
     )
 
 
@@ -399,6 +353,22 @@ def _peak(state: RunState) -> tuple[float, str]:
     return float(peak), f"fp32 matmul rate of {name}, {source}"
 
 
+def _already_complete(cfg: Config, path, saved: dict) -> dict:
+    """A run whose checkpoint has reached training.train_iters: say so and build nothing (no
+    process group, data, model or empty TensorBoard file). Every rank reads the same
+    checkpoint and returns here alike; the rank that would log prints."""
+    iteration = saved["iteration"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _print(
+        int(os.environ.get("RANK", "0")) == world - 1,
+        f"training already complete: {path} is at iteration {iteration} of "
+        f"training.train_iters={cfg.training.train_iters}; raise training.train_iters to "
+        "train further",
+    )
+    return {"iteration": iteration, "consumed_samples": saved["consumed_samples"],
+            "stopped_by": None}  # fmt: skip
+
+
 def pretrain(cfg: Config, family: str | None = None) -> dict:
     """Train per ``cfg`` (its model family is its ``model`` section's; ``family``, when
     given, must agree); returns a summary (last logged losses, iterations run, ...)."""
@@ -408,20 +378,16 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
             f"(load the config with family={family!r})"
         )
     family = cfg.family
-    resume_from, weights_only = _find_resume(cfg)
+    resume_from, weights_only = find_resume(cfg)
     # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
     saved_backend, saved_structure = None, None
     if resume_from is not None:  # checked before anything is built
-        saved = read_metadata(resume_from)
-        check_format(resume_from, saved)
-        if saved.get("family") != family:
-            raise ConfigError(
-                f"config: checkpoint {resume_from} holds a {saved.get('family')!r} model; this "
-                f"run trains {family!r}"
-            )
+        saved = read_resume_metadata(resume_from, family)
         if not weights_only:  # a fine-tune picks its own backend and vocabulary padding
             saved_backend = saved.get("fp8_gemm_backend")
             saved_structure = saved.get("model_structure")
+            if saved["iteration"] >= cfg.training.train_iters:
+                return _already_complete(cfg, resume_from, saved)
     state = build_run(cfg, gemm_backend=saved_backend, saved_structure=saved_structure)
     topo = state.groups.topology
     # One job per checkpoint directory, held until this process ends.
@@ -440,12 +406,6 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         iteration, consumed = _restore(state, resume_from)
         counters.update(state.resumed_counters)
         _print(logs, f"resumed from {resume_from} at iteration {iteration}")
-        if iteration >= t.train_iters:
-            _print(
-                logs,
-                f"training already complete ({iteration} of training.train_iters="
-                f"{t.train_iters}); raise training.train_iters to train further",
-            )
     writer = MetricsWriter(
         log.dir,
         enabled=logs,
@@ -465,6 +425,12 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         f"{n_params / 1e6:.2f}M parameters on this rank | {n_micro} micro-batches/step | "
         f"fp8 gemm backend {state.gemm_backend} | MFU peak {peak:.3f} TFLOP/s ({peak_source})",
     )
+    _print(
+        logs,
+        f"> run: metrics {log.dir}/metrics.jsonl"
+        + (f", TensorBoard {log.dir}/tensorboard" if log.tensorboard else "")
+        + f", checkpoints {cfg.resolved_checkpoint_dir()}",
+    )
     writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
     writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")
 
@@ -475,9 +441,11 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
     last = {}
     start_time = time.time()
+    first_iteration, run_start = iteration, time.perf_counter()  # for the ETA
     printed_bytes = False
     consecutive = 0  # skipped steps in a row
     stopped_by = None
+    saver = _saver(state, logs)
     signals = StopSignals(cfg.checkpoint.save_on_signal).__enter__()
     try:
         while iteration < t.train_iters:
@@ -531,6 +499,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
                     counters,
                     logs,
                     valid,
+                    eta=_eta(run_start, iteration - first_iteration, t.train_iters - iteration),
                 )
                 interval_loss, interval_steps, interval_start = {}, 0, time.perf_counter()
             stop = t.exit_interval and iteration % t.exit_interval == 0
@@ -538,13 +507,12 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
                 stop = True
             stopped_by = signals.agreed(state.device)
             stop = stop or stopped_by is not None
+            saver.poll()  # publishes a background save once every rank has written it
             save_every = cfg.checkpoint.save_interval
             if save_every and iteration % save_every == 0 or iteration == t.train_iters or stop:
-                _save(state, iteration, consumed, counters)
-                _print(
-                    logs,
-                    f"saved checkpoint at iteration {iteration} to {cfg.resolved_checkpoint_dir()}",
-                )
+                saver.save(iteration, *checkpoint_files(state, consumed, counters))
+                if stop or iteration == t.train_iters:
+                    saver.finish()  # the run's last checkpoint is published before it ends
                 interval_start = time.perf_counter()  # saving is not training time
             if stopped_by is not None:
                 _print(
@@ -554,12 +522,24 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
                 )
             if stop:
                 break
+    except TrainingError:  # raised on every rank at the same step: they can still agree
+        saver.finish()
+        raise
+    except BaseException:  # maybe on this rank alone: no agreement, nothing published
+        saver.abandon()
+        raise
     finally:
         signals.__exit__()
     writer.close()
     state.run_lock.release()
     return {"iteration": iteration, "consumed_samples": consumed, "stopped_by": stopped_by,
             **last}  # fmt: skip
+
+
+def _eta(run_start: float, done: int, remaining: int) -> float:
+    """Seconds left at this run's mean wall time per iteration so far (evaluations and saves
+    included: they recur at the same rate)."""
+    return (time.perf_counter() - run_start) / max(done, 1) * remaining
 
 
 def _stages_line(stages: dict[str, float]) -> str:
@@ -618,10 +598,22 @@ def _gather_fp8_stats(state: RunState) -> dict:
 
 
 def _log(
-    state, writer, iteration, consumed, losses, stats, step_time, flops, peak, counters, logs, valid
+    state,
+    writer,
+    iteration,
+    consumed,
+    losses,
+    stats,
+    step_time,
+    flops,
+    peak,
+    counters,
+    logs,
+    valid,
+    eta=None,
 ) -> dict:
     """``losses``: each metric's mean over the log interval; ``valid``: the validation values
-    (None when no evaluation was due)."""
+    (None when no evaluation was due); ``eta``: estimated seconds to train_iters."""
     topo = state.groups.topology
     tflops = flops / (step_time * 1e12 * topo.world_size)
     bpp = state.bytes_per_param or {}
@@ -646,6 +638,7 @@ def _log(
         "wire-bytes-per-element": stats["comm_per_element"],
         "skipped-iterations": counters["skipped"],
         "nan-iterations": counters["nan"],
+        "eta-seconds": eta,
     }
     family = state.family
     for name, value in (valid or {}).items():

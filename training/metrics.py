@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+from data.progress import format_duration
+
 __all__ = ["MetricsWriter", "format_console_line"]
 
 # Tags that also get a "<tag> vs samples" twin, as Megatron writes them (plus the losses).
@@ -23,6 +25,11 @@ def format_console_line(
     per loss of the model family, and the samples (``unit``: images for ViT) per second."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
+        *(
+            [f"ETA: {format_duration(m['eta-seconds'])}"]
+            if m.get("eta-seconds") is not None
+            else []
+        ),
         f"consumed samples: {m['consumed-samples']:12d}",
         f"elapsed time per iteration (ms): {m['iteration-time'] * 1000:.1f}",
         f"{unit}/s: {m['samples-per-second']:.1f}",

@@ -1,12 +1,20 @@
 """One job per checkpoint directory, and no worker outliving its launcher.
 
-A job holds an exclusive ``flock`` on ``{checkpoint.dir}/.lock`` for its lifetime (rank 0
+A job holds an exclusive lock on ``{checkpoint.dir}/.lock`` for its lifetime (global rank 0
 takes it; the kernel drops it when the process dies, so a dead holder keeps nothing). A
 second job on the same directory is refused in one line naming the holder, instead of two
 jobs saving into one directory (measured: ``latest`` then named checkpoints with missing
-files). Workers started by torchrun's agent ask the kernel for SIGTERM when the agent dies
+files). The lock is a POSIX record lock (``lockf``), not ``flock``: a process forked by the
+holder (a data-loader worker) does not inherit it, so it cannot keep a dead holder's lock.
+The price: closing any other descriptor of ``.lock`` in the holding process drops the lock,
+so nothing but ``RunLock`` opens it there. On NFS both kinds go through the server's lock
+manager.
+
+Workers started by torchrun's agent ask the kernel for SIGTERM when the agent dies
 (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the launcher does not leave them training as
-orphans: the signal handler saves and they exit.
+orphans: the signal handler saves and they exit. An agent that died before a worker asked
+(it imports for seconds first) is caught too: ``training.launcher`` names itself in
+``FP8TRAIN_AGENT_PID``, and a worker that does not find it among its ancestors stops.
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the launcher imports this module before torch: keep it light
+    import torch
 
-from parallel.topology import gather_texts
-from training.checkpointing import CheckpointError
+__all__ = ["AGENT_PID_VAR", "RunLock", "acquire_run_lock", "die_with_parent", "run_lock_problem"]
 
-__all__ = ["RunLock", "acquire_run_lock", "die_with_parent"]
+AGENT_PID_VAR = "FP8TRAIN_AGENT_PID"  # set by training.launcher for its workers
 
 
 class RunLock:
@@ -51,23 +60,53 @@ def _try_lock(directory: Path) -> tuple[int | None, str]:
     except OSError as err:
         return None, f"checkpoint.dir={directory} cannot be created or written: {err.strerror}"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        reason = _in_use(directory, fd)
         os.close(fd)
-        return None, (
-            f"checkpoint.dir={directory} is in use by a running job ({holder}); stop it or "
-            "choose another checkpoint.dir / logging.dir"
-        )
+        return None, reason
     os.ftruncate(fd, 0)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
     return fd, ""
 
 
+def _in_use(directory: Path, fd: int) -> str:
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    return (
+        f"checkpoint.dir={directory} is in use by a running job ({holder}); stop it or "
+        "choose another checkpoint.dir / logging.dir"
+    )
+
+
+def run_lock_problem(directory: str | os.PathLike) -> str | None:
+    """The refusal ``acquire_run_lock`` would give now (a live job holds the directory), or
+    None; creates nothing (the pre-flight asks before reading a live run's checkpoints,
+    which that run may be pruning). Only a probe: the answer can change a moment later."""
+    import fcntl
+
+    path = Path(directory)
+    try:
+        fd = os.open(path / ".lock", os.O_RDWR)
+    except OSError:  # no lock file (never run) or not ours to open: acquiring will tell
+        return None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return _in_use(path, fd)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def acquire_run_lock(directory: str | os.PathLike, rank: int, device: torch.device) -> RunLock:
     """Collective: rank 0 takes the lock and every rank learns whether it got it; a refusal
     raises ``CheckpointError`` on every rank with rank 0's reason."""
+    from parallel.topology import gather_texts
+    from training.checkpointing import CheckpointError
+
     fd, reason = _try_lock(Path(directory)) if rank == 0 else (None, "")
     reason = gather_texts(reason, device)[0]  # rank 0's
     if reason:
@@ -76,7 +115,8 @@ def acquire_run_lock(directory: str | os.PathLike, rank: int, device: torch.devi
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Linux: deliver ``sig`` to this process when its parent (torchrun's agent) dies."""
+    """Linux: deliver ``sig`` to this process when its parent (torchrun's agent) dies, and at
+    once when the agent is already gone (a worker orphaned while it was starting)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -85,5 +125,25 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() != parent:  # the parent died before the request took effect
+    agent = os.environ.get(AGENT_PID_VAR, "")
+    if agent.isdigit():  # under training.launcher: is it still above us?
+        orphaned = int(agent) not in _ancestors()
+    else:  # plain torchrun: only a death since this call began is seen
+        orphaned = os.getppid() != parent
+    if orphaned:
         os.kill(os.getpid(), sig)
+
+
+def _ancestors() -> set[int]:
+    """Pids of this process's parent, its parent's parent, ... (from /proc). An ancestor,
+    not only the parent: a job started inside another launcher's worker keeps that one's
+    variable, and its own agent sits between."""
+    found, pid = set(), os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found

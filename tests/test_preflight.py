@@ -1,0 +1,311 @@
+"""Pre-flight (training/preflight.py): what the config and the world size reveal is refused
+before any worker joins a process group, in one line naming the key or file, exit 2, nothing
+written; under plain torchrun (every worker stops on its own) and under training.launcher
+(no worker starts at all).
+
+The checks themselves are tested in-process (milliseconds each); plain torchrun runs the
+cases the issue names, several jobs at once to keep the file short on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_overrides
+from multiproc import TORCHRUN
+
+from data.indexed import check_index_header
+from data.paths import directory_problem
+from training.checkpointing import CheckpointError
+from training.config import ConfigError, load_config
+from training.preflight import PREFLIGHT_ERRORS, preflight
+
+CONFIG = "configs/gpt_tiny.yaml"
+ERROR_FILE_LINE = "  traceback : "  # where torchrun's failure report shows a worker's error file
+
+
+def _overrides(data, run_dir: Path, **extra) -> list[str]:
+    values = {"training.train_iters": 1, "training.eval_iters": 0, "optimizer.lr_warmup_iters": 0}
+    values.update(extra)
+    return tiny_overrides(data, run_dir, "fp32", **values)
+
+
+def _refusal(overrides: list[str], world: int = 1) -> str:
+    """The pre-flight's message for a run of ``overrides`` on ``world`` ranks."""
+    with pytest.raises(PREFLIGHT_ERRORS) as caught:
+        preflight(load_config(CONFIG, overrides), world)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_data, tmp_path_factory):
+    """A real one-step checkpoint (one process, fp32) and damaged copies of it:
+    ``{"good", "roberta", "missing_file", "bad_header"}`` -> checkpoint directory."""
+    from training.loop import pretrain
+
+    root = tmp_path_factory.mktemp("preflight_ckpt")
+    pretrain(load_config(CONFIG, _overrides(tiny_data, root / "source")))
+    good = root / "source" / "checkpoints" / "iter_0000001"
+    out = {"good": good}
+    for name in ("roberta", "missing_file", "bad_header"):
+        shutil.copytree(good, root / name)
+        out[name] = root / name
+    meta = json.loads((good / "metadata.json").read_text())
+    (out["roberta"] / "metadata.json").write_text(json.dumps({**meta, "family": "roberta"}))
+    (out["missing_file"] / "model.safetensors").unlink()
+    (out["bad_header"] / "optimizer.safetensors").write_bytes(
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{bad}"
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_data(tiny_data, tmp_path_factory):
+    """Damaged copies of the tiny corpus and its tokenizer."""
+    root = tmp_path_factory.mktemp("preflight_data")
+    prefix = Path(tiny_data.data_prefix)
+    truncated = root / "truncated_text_document"
+    for suffix in (".bin", ".idx"):
+        shutil.copy(f"{prefix}{suffix}", f"{truncated}{suffix}")
+    with open(f"{truncated}.bin", "r+b") as fh:
+        fh.truncate(os.path.getsize(f"{truncated}.bin") - 2)
+    not_index = root / "text_text_document"
+    Path(f"{not_index}.bin").write_bytes(b"")
+    Path(f"{not_index}.idx").write_text("not an index\n" * 10)
+    corrupt = root / "corrupt.model"
+    corrupt.write_bytes(b"this is not a SentencePiece model" * 10)
+    afile = root / "a_file"
+    afile.write_text("a regular file\n")
+    return {"truncated": truncated, "not_index": not_index, "corrupt": corrupt, "file": afile}
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks, in-process.
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("missing_data", "data.data_prefix: indexed dataset file not found"),
+        ("truncated_bin", "data.data_prefix: "),
+        ("not_an_index", "is not a Megatron MMIDIDX index file"),
+        ("missing_tokenizer", "data.tokenizer_model: tokenizer model not found"),
+        ("corrupt_tokenizer", "data.tokenizer_model: tokenizer model"),
+        ("logging_dir_under_a_file", "config: logging.dir="),
+        ("checkpoint_dir_under_a_file", "config: checkpoint.dir="),
+        ("cache_dir_under_a_file", "config: data.cache_dir="),
+        ("indivisible_batch", "training.global_batch_size=4 is not divisible"),
+        ("tensor_beyond_world", "parallel.tensor"),
+    ],
+)
+def test_preflight_names_the_culprit(tiny_data, bad_data, tmp_path, case, needle):
+    run_dir = tmp_path / "run"
+    under_file = str(bad_data["file"] / "sub")
+    extra, world = {
+        "missing_data": ({"data.data_prefix": str(tmp_path / "nothing_text_document")}, 1),
+        "truncated_bin": ({"data.data_prefix": str(bad_data["truncated"])}, 1),
+        "not_an_index": ({"data.data_prefix": str(bad_data["not_index"])}, 1),
+        "missing_tokenizer": ({"data.tokenizer_model": str(tmp_path / "none.model")}, 1),
+        "corrupt_tokenizer": ({"data.tokenizer_model": str(bad_data["corrupt"])}, 1),
+        "logging_dir_under_a_file": ({"logging.dir": under_file}, 1),
+        "checkpoint_dir_under_a_file": ({"checkpoint.dir": under_file}, 1),
+        "cache_dir_under_a_file": ({"data.cache_dir": under_file}, 1),
+        "indivisible_batch": ({}, 3),  # 4 samples, micro-batch 2, 3 replicas
+        "tensor_beyond_world": ({"parallel.tensor": 2}, 1),
+    }[case]
+    message = _refusal(_overrides(tiny_data, run_dir, **extra), world)
+    assert needle in message, message
+    if case == "truncated_bin":
+        assert "holds" in message and "its index describes" in message, message
+    if "under_a_file" in case:
+        assert message.endswith(f"{bad_data['file']} is not a directory"), message
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("roberta", "holds a 'roberta' model; this run trains 'gpt'"),
+        ("missing_file", "checkpoint file missing: "),
+        ("bad_header", "cannot read checkpoint file "),
+        ("other_model", "model.hidden_size=32 but checkpoint"),
+        ("other_level", "precision.level=bf16 but checkpoint"),
+        ("not_a_checkpoint", "not a checkpoint (no metadata.json)"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_resumed_is_refused(
+    tiny_data, checkpoints, tmp_path, case, needle
+):
+    extra = {"checkpoint.load": str(checkpoints.get(case, checkpoints["good"]))}
+    if case == "other_model":
+        extra["model.hidden_size"] = 32
+    elif case == "other_level":
+        extra["precision.level"] = "bf16"
+    elif case == "not_a_checkpoint":
+        extra["checkpoint.load"] = str(tmp_path)
+    overrides = _overrides(tiny_data, tmp_path / "run", **extra)
+    message = _refusal(overrides, world=2)
+    assert needle in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_another_layout_or_a_finetune_is_not_refused(tiny_data, checkpoints, tmp_path):
+    """The checkpoint of one process (TP=1 DP=1) reshards to DP=2, TP=2 and TP=2 x DP=2; a
+    fine-tune takes its weights at another level; its own run directory resumes it."""
+    load = {"checkpoint.load": str(checkpoints["good"])}
+    for world, extra in ((2, {}), (2, {"parallel.tensor": 2}), (4, {"parallel.tensor": 2})):
+        preflight(
+            load_config(CONFIG, _overrides(tiny_data, tmp_path / "a", **load, **extra)), world
+        )
+    finetune = {"checkpoint.finetune": True, "precision.level": "bf16"}
+    preflight(load_config(CONFIG, _overrides(tiny_data, tmp_path / "b", **load, **finetune)), 1)
+    own = _overrides(tiny_data, checkpoints["good"].parent.parent)  # the source run itself
+    preflight(load_config(CONFIG, own), 2)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_default_corpus_still_to_be_built_is_no_error(tmp_path):
+    """An empty data.cache_dir: the corpus is built when the run starts; nothing is written
+    now. Its cache directory must be creatable, though."""
+    cache = tmp_path / "cache"
+    overrides = [f"logging.dir={tmp_path / 'run'}", f"data.cache_dir={cache}"]
+    preflight(load_config(CONFIG, overrides), 2)
+    assert not cache.exists() and not (tmp_path / "run").exists()
+    (tmp_path / "file").write_text("")
+    overrides[1] = f"data.cache_dir={tmp_path / 'file' / 'cache'}"
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.* is not a directory"):
+        preflight(load_config(CONFIG, overrides), 2)
+
+
+def test_directory_problem(tmp_path):
+    assert directory_problem(tmp_path) is None
+    assert directory_problem(tmp_path / "a" / "b" / "c") is None  # mkdir -p would make it
+    (tmp_path / "f").write_text("")
+    assert directory_problem(tmp_path / "f") == f"{tmp_path / 'f'} exists and is not a directory"
+    assert directory_problem(tmp_path / "f" / "x") == f"{tmp_path / 'f'} is not a directory"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert directory_problem(tmp_path / "dangling" / "x").endswith("is a broken symbolic link")
+    assert not list(tmp_path.glob("a"))  # nothing was created
+
+
+def test_index_header_check_reads_no_data(tiny_data, bad_data):
+    stats = check_index_header(tiny_data.data_prefix)
+    assert (stats.num_documents, stats.num_tokens) == (
+        tiny_data.num_documents,
+        tiny_data.num_tokens,
+    )
+    with pytest.raises(ValueError, match="truncated or not the index's data file"):
+        check_index_header(bad_data["truncated"])
+    with pytest.raises(ValueError, match="is not a Megatron MMIDIDX index file"):
+        check_index_header(bad_data["not_index"])
+
+
+def test_a_damaged_checkpoint_error_is_a_checkpoint_error(tiny_data, checkpoints, tmp_path):
+    """The refusal types the entry point turns into exit 2 (not a traceback)."""
+    overrides = _overrides(
+        tiny_data, tmp_path, **{"checkpoint.load": str(checkpoints["missing_file"])}
+    )
+    with pytest.raises(CheckpointError):
+        preflight(load_config(CONFIG, overrides), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through plain torchrun: every worker stops before the process group, rank 0 says why once,
+# torchrun's failure report names that line as the root cause.
+
+TORCHRUN_CASES = {
+    "missing_data": (2, "data.data_prefix: indexed dataset file not found"),
+    "corrupt_tokenizer": (2, "data.tokenizer_model: tokenizer model"),
+    "checkpoint_of_another_family": (2, "holds a 'roberta' model"),
+    "indivisible_batch": (3, "not divisible by training.micro_batch_size=4 x data-parallel size 3"),
+    "logging_dir_under_a_file": (2, "config: logging.dir="),
+}
+
+
+def _case_args(case: str, data, bad_data, checkpoints, run_dir: Path) -> list[str]:
+    if case == "indivisible_batch":  # the shipped config's batch (8 = 4 x 2) on 3 ranks
+        return [f"logging.dir={run_dir}"]
+    extra = {
+        "missing_data": {"data.data_prefix": str(run_dir.parent / "nothing_text_document")},
+        "corrupt_tokenizer": {"data.tokenizer_model": str(bad_data["corrupt"])},
+        "checkpoint_of_another_family": {"checkpoint.load": str(checkpoints["roberta"])},
+        "logging_dir_under_a_file": {"logging.dir": str(bad_data["file"] / "run")},
+    }[case]
+    return _overrides(data, run_dir, **extra)
+
+
+def _run(cmd: list[str], timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def torchrun_results(tiny_data, bad_data, checkpoints, tmp_path_factory):
+    """Every case under plain torchrun, three jobs at a time: case -> (process, seconds,
+    run directory)."""
+    root = tmp_path_factory.mktemp("preflight_torchrun")
+
+    def one(case: str):
+        nproc = TORCHRUN_CASES[case][0]
+        run_dir = root / case / "run"
+        run_dir.parent.mkdir()
+        args = _case_args(case, tiny_data, bad_data, checkpoints, run_dir)
+        cmd = [*TORCHRUN, "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", CONFIG]
+        return case, (*_run([*cmd, *args]), run_dir)
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(pool.map(one, TORCHRUN_CASES))
+
+
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_plain_torchrun_stops_every_worker_with_one_line(torchrun_results, case):
+    proc, seconds, run_dir = torchrun_results[case]
+    nproc, needle = TORCHRUN_CASES[case]
+    ours = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode != 0 and len(ours) == 1 and needle in ours[0], proc.stderr[-3000:]
+    # Every worker exited 2 (ours) or, when another stopped first, was ended by the agent's
+    # SIGTERM (a race the agent decides: it terminates the others once one has exited); the
+    # root cause is our line, not "To enable traceback see ...".
+    codes = re.findall(r"exitcode  : (-?\d+) ", proc.stderr)
+    assert len(codes) == nproc and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
+    root_cause = proc.stderr.split("Root Cause", 1)[1]
+    assert "exitcode  : 2 " in root_cause, proc.stderr[-3000:]
+    assert ERROR_FILE_LINE + ours[0] in root_cause, proc.stderr[-3000:]
+    assert "To enable traceback" not in proc.stderr
+    assert not run_dir.exists()  # no metrics, TensorBoard file or checkpoint
+    lines = len(proc.stderr.splitlines()) + len(proc.stdout.splitlines())
+    print(f"\n{case}: exit {proc.returncode}, {lines} lines, {seconds:.1f} s: {ours[0]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Through training.launcher (what make train runs): one line, and no worker started.
+
+
+@pytest.mark.parametrize("case", ["indivisible_batch", "checkpoint_of_another_family"])
+def test_the_launcher_prints_one_line_and_starts_no_worker(
+    tiny_data, bad_data, checkpoints, tmp_path, case
+):
+    nproc, needle = TORCHRUN_CASES[case]
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "torchrun_logs"  # torchrun fills it once it starts workers
+    cmd = [sys.executable, "-m", "training.launcher", "--standalone", "--log-dir", str(logs),
+           "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", CONFIG]  # fmt: skip
+    proc, seconds = _run([*cmd, *_case_args(case, tiny_data, bad_data, checkpoints, run_dir)])
+    lines = [x for x in proc.stderr.splitlines() + proc.stdout.splitlines() if x.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not logs.exists() and not run_dir.exists()
+    print(f"\nlauncher {case}: {seconds:.1f} s: {lines[0]}")

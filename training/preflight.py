@@ -1,0 +1,96 @@
+"""Pre-flight: everything a run's config and its world size let us check before any worker
+starts or any process group exists, each problem one line naming the key or file.
+
+- the parallel layout and the batch split for the world size (training/layout.py);
+- ``logging.dir`` and ``checkpoint.dir`` can be created and written (nothing is created),
+  and no running job holds ``checkpoint.dir`` (training/run_lock.py);
+- the family's data: files present and in their format, the tokenizer loads, caches can be
+  written (``ModelFamily.preflight``; the default corpus still to be built is no error);
+- a checkpoint to resume (``checkpoint.dir``'s latest, else ``checkpoint.load``): present,
+  of this format version and family, the same model and precision level (unless
+  ``checkpoint.finetune``), every model and optimizer file there with a readable header, so
+  that it can be resharded to this layout.
+
+It runs twice, both times before any worker touches a process group: in the launcher
+(``python -m training.launcher``, what ``make train`` runs) before torchrun starts a worker,
+and at the start of every worker (training/launch.py), so plain ``torchrun`` fails fast too.
+Reads only: headers, ``stat``s, the tokenizer; never the data or a tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+from data.paths import directory_problem
+from families import get_family
+from parallel.topology import TopologyError
+from training.checkpointing import CheckpointError
+from training.config import Config, ConfigError, load_config
+from training.layout import check_layout
+from training.resume_check import check_compatible, find_resume, read_resume_metadata
+from training.run_lock import run_lock_problem
+
+__all__ = ["PREFLIGHT_ERRORS", "preflight", "check_run"]
+
+# What a failed pre-flight raises; each message is one line.
+PREFLIGHT_ERRORS = (ConfigError, TopologyError, CheckpointError)
+
+
+def _check_directories(cfg: Config) -> None:
+    checkpoint_key = (
+        "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (logging.dir/checkpoints)"
+    )
+    for key, path in (
+        ("logging.dir", cfg.logging.dir),
+        (checkpoint_key, cfg.resolved_checkpoint_dir()),
+    ):
+        problem = directory_problem(path)
+        if problem:
+            raise ConfigError(f"config: {key}={path} cannot be created or written: {problem}")
+    # A live job on the directory: say so before reading its checkpoints (it may be
+    # pruning the one its latest named a moment ago).
+    held = run_lock_problem(cfg.resolved_checkpoint_dir())
+    if held:
+        raise CheckpointError(held)
+
+
+def _check_checkpoint(cfg: Config, family, model_config) -> None:
+    path, weights_only = find_resume(cfg)
+    if path is None:
+        return
+    from training.reshard import SourceCheckpoint  # reads file headers only
+
+    saved = read_resume_metadata(path, cfg.family)
+    try:
+        check_compatible(family, cfg, model_config, saved, path, weights_only)
+    except (KeyError, TypeError) as err:  # a metadata.json without the keys a save writes
+        raise CheckpointError(f"{path / 'metadata.json'}: incomplete ({err!r} missing)") from None
+    # Every model and optimizer file of its layout present, each header readable: what
+    # resharding to any other layout reads.
+    SourceCheckpoint(path)
+
+
+def preflight(cfg: Config, world_size: int | None) -> None:
+    """Every check above for ``cfg`` on ``world_size`` ranks (None: not known yet, e.g. an
+    elastic node range; the layout is then checked by each worker). Raises one of
+    ``PREFLIGHT_ERRORS`` with a one-line message; writes nothing."""
+    if world_size is not None:
+        check_layout(cfg, world_size)
+    _check_directories(cfg)
+    family = get_family(cfg.family)
+    try:
+        model_config = family.preflight(cfg)
+    except ValueError as err:  # the family's messages start with the config key
+        raise ConfigError(f"config: {err}") from None
+    except OSError as err:  # e.g. a data file it may not read: the message names the file
+        raise ConfigError(f"config: data: {err}") from None
+    _check_checkpoint(cfg, family, model_config)
+
+
+def check_run(
+    config: str | os.PathLike, overrides: list[str], family: str, world_size: int | None
+) -> Config:
+    """Load the config of a ``family`` run and pre-flight it; returns the config."""
+    cfg = load_config(os.fspath(config), overrides, family)
+    preflight(cfg, world_size)
+    return cfg
