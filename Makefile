@@ -26,11 +26,11 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 	@echo "fp8train: $(VENV) ready"
 
-# The config and its layout on NPROC ranks are checked before torchrun starts, so a mistake
-# costs one line, not a traceback per rank. training.launcher is torchrun ending with one line:
+# training.launcher is torchrun ending with one line. Before it starts a worker it checks the
+# config for NPROC ranks (layout, batch split, directories, data, tokenizer, the checkpoint to
+# resume: training/preflight.py), so a mistake costs one line, not a traceback per rank;
 # Ctrl-C or SIGTERM saves a checkpoint first (training/signals.py).
 train: venv
-	$(BIN)/python -m training.config --family $(MODEL) --world-size $(NPROC) $(CONFIG) $(ARGS) > /dev/null
 	OMP_NUM_THREADS=1 $(BIN)/python -m training.launcher --standalone --nproc_per_node $(NPROC) --max-restarts $(MAX_RESTARTS) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
 test: venv

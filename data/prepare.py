@@ -21,7 +21,9 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import numpy as np
 from data.corpus import corpus_fingerprint, iter_texts, stdlib_documents, stdlib_root
 from data.indexed import check_index_header, dataset_prefix, write_indexed_dataset
 from data.paths import check_directory
+from data.progress import format_duration, track
 from data.tokenizer import (
     DEFAULT_MAX_SENTENCES,
     SentencePieceTokenizer,
@@ -129,15 +132,34 @@ def _build(
     max_sentences: int,
     control_symbols: Sequence[str] = (),
 ) -> dict[str, object]:
+    # Minutes on a small machine, once per cache key: say what is happening (stderr).
+    print(
+        f"{name}: training a SentencePiece tokenizer (vocab {vocab_size}) on "
+        f"{len(documents)} documents",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
     model = train_sentencepiece(
         documents, tmp / "tokenizer", vocab_size, seed=seed, max_sentences=max_sentences,
         control_symbols=control_symbols,
     )  # fmt: skip
+    print(
+        f"{name}: tokenizer trained in {format_duration(time.perf_counter() - start)}",
+        file=sys.stderr,
+        flush=True,
+    )
     tokenizer = SentencePieceTokenizer(model)
 
     def encoded():
         chunk: list[str] = []
-        for text in iter_texts(documents):
+        texts = track(
+            iter_texts(documents),
+            f"{name}: tokenizing",
+            total=len(documents),
+            size=lambda text: len(text.encode()),
+        )
+        for text in texts:
             chunk.append(text)
             if len(chunk) == _ENCODE_CHUNK:
                 yield from (ids + [tokenizer.eod] for ids in tokenizer.encode_batch(chunk))

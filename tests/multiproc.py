@@ -43,6 +43,8 @@ __all__ = [
     "grad_value",
     "weight_value",
     "launch",
+    "logged_losses",
+    "metrics_records",
     "rank_env",
     "run_ranks",
     "torchrun",
@@ -50,6 +52,17 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def metrics_records(run_dir: str | os.PathLike) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in the order written."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def logged_losses(run_dir: str | os.PathLike, metric: str = "lm loss") -> dict[int, float]:
+    """Iteration -> the last logged ``metric`` (a resumed run logs again from its checkpoint)."""
+    return {r["iteration"]: r[metric] for r in metrics_records(run_dir)}
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import end_worker, rank_env, run_ranks
+from multiproc import end_worker, logged_losses, rank_env, run_ranks
 from safetensors.torch import load_file
 
 from training import checkpointing
@@ -73,15 +73,6 @@ def _train_worker(rank, world, port, runs) -> None:
     end_worker()
 
 
-def _losses(run_dir) -> dict[int, float]:
-    """The last logged loss of each iteration (a resumed run logs again from its checkpoint)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["iteration"]] = record["lm loss"]
-    return out
-
-
 def test_async_run_stopped_by_sigterm_resumes_as_the_synchronous_run(tiny_data, tmp_path):
     import training.loop  # noqa: F401  (imported once here, inherited by the forked ranks)
 
@@ -102,7 +93,7 @@ def test_async_run_stopped_by_sigterm_resumes_as_the_synchronous_run(tiny_data, 
     ]
     run_ranks(_train_worker, 2, (runs,), timeout=300, start_method="fork")
 
-    assert _losses(background) == _losses(sync)
+    assert logged_losses(background) == logged_losses(sync)
     saved = {p.name for p in (background / "checkpoints").glob("iter_*")}
     stopped = [n for n in saved if int(n[5:]) % EVERY]  # the signal's save, off the interval
     assert len(stopped) <= 1 and {"iter_0000002", "iter_0000004", f"iter_{STEPS:07d}"} <= saved

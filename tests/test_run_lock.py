@@ -7,7 +7,7 @@ runs, 2 gloo ranks of the tiny GPT):
 
 - a second job on a live run's checkpoint directory exits 2 with one line naming the holder
   (pid and host of the first job's rank 0); the first run's log and checkpoints stay its own;
-- SIGKILL of the launcher mid-training: the kernel sends its workers SIGTERM, they save at
+- SIGKILL of the launcher mid-training: the kernel signals its workers, they save at
   their step and exit (none is left in /proc), ``latest`` names a complete checkpoint, and the
   same command on the directory is accepted and resumes from it (the dead job holds nothing);
 - SIGKILL of the launcher while its workers are still starting (before they could ask for the
@@ -137,8 +137,9 @@ def test_second_job_refused_and_a_killed_launcher_leaves_no_worker(tiny_data, tm
         assert first.poll() is None, "the first job ended before the second was refused"
 
         _wait_until(lambda: (tmp_path / "checkpoints" / "latest").exists(), 240, "checkpoint")
-        # SIGKILL of the launcher (an OOM kill, kill -9): its workers get SIGTERM from the
-        # kernel, finish their step, save together and exit.
+        # SIGKILL of the launcher (an OOM kill, kill -9): its workers get the parent-death
+        # signal from the kernel (twice: see training/run_lock.py), finish their step, save
+        # together and exit.
         first.kill()
         out, err = first.communicate(timeout=120)  # EOF once every worker has closed stdout
         for pid, start in workers.values():
@@ -147,7 +148,11 @@ def test_second_job_refused_and_a_killed_launcher_leaves_no_worker(tiny_data, tm
         if first.poll() is None:
             first.kill()
         _kill_leftovers(workers)
-    saved = [x for x in out.splitlines() if x.startswith("received SIGTERM: saved checkpoint")]
+    saved = [
+        x
+        for x in out.splitlines()
+        if x.startswith("received SIGUSR2 (the launcher died): saved checkpoint")
+    ]
     assert len(saved) == 1, out[-3000:] + err[-3000:]
     iteration = int(saved[0].split("iteration ")[1].split()[0])
 

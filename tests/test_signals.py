@@ -10,7 +10,6 @@ per-iteration losses equal an uninterrupted run's.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 
 import pytest
 from conftest import REPO, tiny_overrides
+from multiproc import logged_losses
 
 STEPS = 40
 
@@ -38,21 +38,12 @@ def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _losses(run_dir) -> dict[int, float]:
-    """The last logged loss of each iteration (a resumed run logs again from its checkpoint)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["iteration"]] = record["lm loss"]
-    return out
-
-
 @pytest.fixture(scope="module")
 def straight(tiny_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
     proc = _run(_cmd(tiny_data, run_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _losses(run_dir)
+    return logged_losses(run_dir)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -74,13 +65,13 @@ def test_signal_saves_and_resume_continues_the_run(straight, tiny_data, tmp_path
     assert len(saved) == 1 and signal.Signals(sig).name in saved[0], saved
     assert out.strip().splitlines()[-1].startswith("fp8train: stopped by"), out[-2000:]
     assert "Traceback" not in err, err[-3000:]
-    stopped_at = max(_losses(tmp_path))
+    stopped_at = max(logged_losses(tmp_path))
     assert stopped_at < STEPS
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"iter_{stopped_at:07d}"
     again = _run(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
-    assert _losses(tmp_path) == straight
+    assert logged_losses(tmp_path) == straight
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int | None:
@@ -121,4 +112,4 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert out.count("resumed from") == 1, out[-3000:]
-    assert _losses(tmp_path) == straight
+    assert logged_losses(tmp_path) == straight

@@ -10,11 +10,12 @@ The price: closing any other descriptor of ``.lock`` in the holding process drop
 so nothing but ``RunLock`` opens it there. On NFS both kinds go through the server's lock
 manager.
 
-Workers started by torchrun's agent ask the kernel for SIGTERM when the agent dies
-(``PR_SET_PDEATHSIG``), so a ``kill -9`` of the launcher does not leave them training as
-orphans: the signal handler saves and they exit. An agent that died before a worker asked
-(it imports for seconds first) is caught too: ``training.launcher`` names itself in
-``FP8TRAIN_AGENT_PID``, and a worker that does not find it among its ancestors stops.
+Workers started by torchrun's agent ask the kernel for a signal when the agent dies
+(``PR_SET_PDEATHSIG``, ``PARENT_DEATH_SIGNAL``), so a ``kill -9`` of the launcher does not
+leave them training as orphans: the signal handler saves and they exit. An agent that died
+before a worker asked (it imports for seconds first) is caught too: ``training.launcher``
+names itself in ``FP8TRAIN_AGENT_PID``, and a worker that does not find it among its
+ancestors stops.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the launcher imports this module before torch: keep it light
     import torch
 
-__all__ = ["AGENT_PID_VAR", "RunLock", "acquire_run_lock", "die_with_parent", "run_lock_problem"]
+__all__ = [
+    "AGENT_PID_VAR",
+    "PARENT_DEATH_SIGNAL",
+    "RunLock",
+    "acquire_run_lock",
+    "die_with_parent",
+    "run_lock_problem",
+]
 
 AGENT_PID_VAR = "FP8TRAIN_AGENT_PID"  # set by training.launcher for its workers
 
@@ -91,8 +99,10 @@ def run_lock_problem(directory: str | os.PathLike) -> str | None:
     except OSError:  # no lock file (never run) or not ours to open: acquiring will tell
         return None
     try:
+        # A shared lock: it conflicts only with a holder's exclusive one, so the workers of
+        # one job probing at the same moment cannot refuse each other.
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
             return _in_use(path, fd)
         fcntl.lockf(fd, fcntl.LOCK_UN)
@@ -114,7 +124,15 @@ def acquire_run_lock(directory: str | os.PathLike, rank: int, device: torch.devi
     return RunLock(fd)
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
+# The parent-death signal. Not SIGTERM: the kernel sends it once per reparenting, and a
+# multi-threaded agent's death reparents a worker several times (to another of its dying
+# threads, then to init; measured: two signals 14 ms apart), which a second-signal-aborts
+# handler would take for a user's second Ctrl-C. training/signals.py stops on the first and
+# ignores the repeats; with no handler installed its default action ends the process.
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
+
+
+def die_with_parent(sig: int = PARENT_DEATH_SIGNAL) -> None:
     """Linux: deliver ``sig`` to this process when its parent (torchrun's agent) dies, and at
     once when the agent is already gone (a worker orphaned while it was starting)."""
     if not sys.platform.startswith("linux"):

@@ -6,6 +6,9 @@ signal only sets a flag: the current step finishes, the ranks agree at the step'
 one of them was signalled (``StopSignals.agreed``: one small all-reduce), every rank saves
 the checkpoint collectively and the run ends normally, well inside torchrun's shutdown
 timeout. A second signal restores the default action and re-raises it: an immediate stop.
+The signal a torchrun worker gets when its launcher dies (``PARENT_DEATH_SIGNAL``,
+training/run_lock.py) stops the run the same way, but repeats of it never abort: the kernel
+sends it once per reparenting.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import threading
 import torch
 import torch.distributed as dist
 
+from training.run_lock import PARENT_DEATH_SIGNAL
+
 __all__ = ["StopSignals"]
 
-_HANDLED = (signal.SIGTERM, signal.SIGINT)
+_HANDLED = (signal.SIGTERM, signal.SIGINT, PARENT_DEATH_SIGNAL)
+# What the console line calls each signal ("received SIGTERM: saved checkpoint ...").
+_NAMES = {PARENT_DEATH_SIGNAL: f"{PARENT_DEATH_SIGNAL.name} (the launcher died)"}
 
 
 class StopSignals:
@@ -42,6 +49,10 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        if signum == PARENT_DEATH_SIGNAL:  # the kernel may repeat it: never an abort
+            if self.received is None:
+                self.received = signum
+            return
         if self.received is not None:  # the second signal: stop now, by its default action
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -58,4 +69,4 @@ class StopSignals:
             flag = torch.tensor([code], dtype=torch.int64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             code = int(flag.item())
-        return signal.Signals(code).name if code else None
+        return _NAMES.get(code, signal.Signals(code).name) if code else None
