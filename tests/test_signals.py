@@ -18,7 +18,7 @@ import time
 
 import pytest
 from conftest import REPO, tiny_overrides
-from multiproc import logged_losses
+from multiproc import logged_losses, metrics_records
 
 STEPS = 40
 
@@ -93,8 +93,8 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
 def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny_data, tmp_path):
     """SIGKILL of rank 1 mid-training under --max-restarts 1: the agent restarts both workers,
-    they resume from the latest checkpoint (saved every 5 steps) and the last logged loss of
-    every iteration equals the uninterrupted run's."""
+    they resume from the latest checkpoint (saved every 5 steps), every iteration's logged
+    loss equals the uninterrupted run's, and metrics.jsonl holds each iteration once."""
     cmd = _cmd(tiny_data, tmp_path)
     cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
     cmd.append("checkpoint.save_interval=5")
@@ -113,3 +113,6 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny
     assert proc.returncode == 0, err[-3000:]
     assert out.count("resumed from") == 1, out[-3000:]
     assert logged_losses(tmp_path) == straight
+    # What the killed attempt logged past its checkpoint was dropped on resume: one record
+    # per iteration, in order.
+    assert [r["iteration"] for r in metrics_records(tmp_path)] == list(range(1, STEPS + 1))

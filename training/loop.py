@@ -410,7 +410,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
         log.dir,
         enabled=logs,
         tensorboard=log.tensorboard,
-        append=resume_from is not None and not weights_only,
+        resumed_at=iteration if resume_from is not None and not weights_only else None,
         loss_names=state.metrics,
     )
     flops = state.family.flops_per_step(state.model_config, t.global_batch_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from data.progress import format_duration
@@ -54,9 +55,11 @@ class MetricsWriter:
         log_dir: str,
         enabled: bool,
         tensorboard: bool = True,
-        append: bool = True,
+        resumed_at: int | None = None,
         loss_names: tuple[str, ...] = (),
     ):
+        """``resumed_at``: the iteration a resumed run continues from (None: a run from
+        scratch, which starts metrics.jsonl afresh)."""
         self.enabled = enabled
         self.twins = (*loss_names, *_SAMPLE_TWINS)
         self.writer = None
@@ -69,10 +72,13 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(path / "tensorboard"), max_queue=100)
-        # A resumed run appends (records carry their iteration); a run from scratch starts the
-        # file afresh so two runs' records never interleave.
-        mode = "a" if append else "w"
-        self.jsonl = open(path / "metrics.jsonl", mode, buffering=1)  # noqa: SIM115
+        # A resumed run appends after dropping what a stopped or killed attempt logged past
+        # its checkpoint (it logs those iterations again), so each iteration has one record;
+        # a run from scratch starts the file afresh so two runs' records never interleave.
+        jsonl = path / "metrics.jsonl"
+        if resumed_at is not None:
+            _drop_records_after(jsonl, resumed_at)
+        self.jsonl = open(jsonl, "a" if resumed_at is not None else "w", buffering=1)  # noqa: SIM115
 
     def scalars(self, iteration: int, values: dict[str, float], samples: int | None = None):
         if not self.enabled or self.writer is None:
@@ -103,3 +109,27 @@ class MetricsWriter:
         if self.writer is not None:
             self.writer.close()
         self.jsonl.close()
+
+
+def _drop_records_after(jsonl: Path, iteration: int) -> None:
+    """Rewrite ``jsonl`` without its records past ``iteration`` (atomically: a kill leaves the
+    old file or the new one). A line that does not parse, e.g. one cut short by a kill, is
+    dropped too."""
+    if not jsonl.exists():
+        return
+    kept, dropped = [], 0
+    for line in jsonl.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            keep = int(record["iteration"]) <= iteration
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if not dropped:
+        return
+    tmp = jsonl.with_name(jsonl.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, jsonl)
