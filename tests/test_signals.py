@@ -23,9 +23,9 @@ from multiproc import logged_losses, metrics_records
 STEPS = 40
 
 
-def _cmd(data, run_dir) -> list[str]:
+def _cmd(data, run_dir, level: str = "fp32") -> list[str]:
     overrides = tiny_overrides(
-        data, run_dir, "fp32",
+        data, run_dir, level,
         **{"training.train_iters": STEPS, "checkpoint.save_interval": 0,
            "training.eval_interval": 1000, "training.eval_iters": 0},
     )  # fmt: skip
@@ -39,11 +39,24 @@ def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight")
-    proc = _run(_cmd(tiny_data, run_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return logged_losses(run_dir)
+def straight_runs(tiny_data, tmp_path_factory):
+    """level -> the uninterrupted run's losses (each level run once, when first asked)."""
+    done = {}
+
+    def losses(level: str) -> dict[int, float]:
+        if level not in done:
+            run_dir = tmp_path_factory.mktemp(f"straight_{level}")
+            proc = _run(_cmd(tiny_data, run_dir, level))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[level] = logged_losses(run_dir)
+        return done[level]
+
+    return losses
+
+
+@pytest.fixture(scope="module")
+def straight(straight_runs):
+    return straight_runs("fp32")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -91,11 +104,15 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
-def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny_data, tmp_path):
+@pytest.mark.parametrize("level", ["fp32", "te"])
+def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(
+    straight_runs, tiny_data, tmp_path, level
+):
     """SIGKILL of rank 1 mid-training under --max-restarts 1: the agent restarts both workers,
     they resume from the latest checkpoint (saved every 5 steps), every iteration's logged
-    loss equals the uninterrupted run's, and metrics.jsonl holds each iteration once."""
-    cmd = _cmd(tiny_data, tmp_path)
+    loss equals the uninterrupted run's, and metrics.jsonl holds each iteration once. te too:
+    its FP8 scaling state (amax histories) is restored with the weights."""
+    cmd = _cmd(tiny_data, tmp_path, level)
     cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
     cmd.append("checkpoint.save_interval=5")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -112,7 +129,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(straight, tiny
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert out.count("resumed from") == 1, out[-3000:]
-    assert logged_losses(tmp_path) == straight
+    assert logged_losses(tmp_path) == straight_runs(level)
     # What the killed attempt logged past its checkpoint was dropped on resume: one record
     # per iteration, in order.
     assert [r["iteration"] for r in metrics_records(tmp_path)] == list(range(1, STEPS + 1))
