@@ -34,7 +34,7 @@ train: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m training.launcher --standalone --nproc_per_node $(NPROC) --max-restarts $(MAX_RESTARTS) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
 test: venv
-	@echo "fp8train: running the test suite (about 10 minutes on 2 CPU cores; a dot per test)"
+	@echo "fp8train: running the test suite (about 8 minutes on 2 CPU cores; a dot per test)"
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
