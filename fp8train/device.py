@@ -13,11 +13,14 @@ import torch
 
 __all__ = [
     "cuda_capability",
+    "device_count",
     "device_name",
+    "empty_cache",
     "dist_backend",
     "get_device",
     "is_cuda",
     "manual_seed_all",
+    "memory_info",
     "memory_stats",
     "reset_peak_memory",
     "rng_state",
@@ -29,6 +32,11 @@ __all__ = [
 def is_cuda() -> bool:
     """Whether a CUDA device is usable in this process."""
     return torch.cuda.is_available()
+
+
+def device_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if is_cuda() else 0
 
 
 def get_device(local_rank: int | None = None) -> torch.device:
@@ -66,6 +74,20 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, int]:
         "reserved": torch.cuda.memory_reserved(device),
         "max_allocated": torch.cuda.max_memory_allocated(device),
     }
+
+
+def memory_info(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of a CUDA device; None for a non-CUDA device."""
+    if not _is_cuda_device(device):
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+def empty_cache(device: torch.device | str | None = None) -> None:
+    """Give the caching allocator's unused blocks back to the device (nothing on CPU)."""
+    if _is_cuda_device(device):
+        torch.cuda.empty_cache()
 
 
 def reset_peak_memory(device: torch.device | str | None = None) -> None:

@@ -84,12 +84,31 @@ def _add_update_(weights, exp_avgs, denom, neg_step_size: torch.Tensor, packed: 
         torch._foreach_addcdiv_(weights, update, denom)
 
 
+def _chunks(items: list, limit: int):
+    """``items`` (``(param, kind, grad, state)``) in runs of at most ``limit`` elements (a
+    larger tensor alone). The update makes FP32 working copies of each run's weights and
+    moments (about 5 x 4 bytes per element, beyond the stored state): by runs, that transient
+    memory stays bounded instead of growing with the model, which at O2/O3 would undo the
+    savings of low-bit storage. Every op is per tensor, so the result is the same bits."""
+    run, size = [], 0
+    for item in items:
+        n = item[0].numel()
+        if run and size + n > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        yield run
+
+
 class LowBitAdamW(torch.optim.Optimizer):
     """AdamW with FP32 or low-bit moments (m: FP32 | FP8 E4M3, v: FP32 | FP16) and FP16 masters.
 
     Param groups work as in torch.optim.AdamW (per-group lr, betas, eps, weight_decay; extra
-    keys such as "wd_mult" are kept). The optimizer zeroes ``Fp8GradSlot`` gradients in
-    ``zero_grad`` as well as ``.grad``.
+    keys such as "wd_mult" are kept). ``chunk_elements``: parameters are updated in runs of
+    about this many elements, bounding the FP32 working copies (``_chunks``). The optimizer
+    zeroes ``Fp8GradSlot`` gradients in ``zero_grad`` as well as ``.grad``.
     """
 
     def __init__(
@@ -102,6 +121,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         *,
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
+        chunk_elements: int = 1 << 26,
     ):
         if not 0.0 <= eps:
             raise ValueError(f"eps={eps}: must be >= 0")
@@ -110,6 +130,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         _check_dtypes(exp_avg_dtype, exp_avg_sq_dtype)
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        if chunk_elements < 1:
+            raise ValueError(f"chunk_elements={chunk_elements}: must be >= 1")
+        self.chunk_elements = chunk_elements
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -144,7 +167,8 @@ class LowBitAdamW(torch.optim.Optimizer):
                     state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
                 by_device.setdefault(p.device, []).append((p, kind, grad, state))
             for items in by_device.values():
-                self._update(group, items)
+                for chunk in _chunks(items, self.chunk_elements):
+                    self._update(group, chunk)
         return loss
 
     def _update(self, group: dict, items: list) -> None:

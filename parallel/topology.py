@@ -121,6 +121,12 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     topology = Topology(world_size=world_size, rank=rank, tensor=tensor, pipeline=pipeline)
+    if devices.is_cuda() and local_rank >= devices.device_count():
+        raise TopologyError(
+            f"LOCAL_RANK={local_rank} (rank {rank}) but this node has {devices.device_count()} "
+            "CUDA device(s): start at most that many processes per node (--nproc_per_node), "
+            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo"
+        )
     device = devices.get_device(local_rank)
     if backend == "auto":
         backend = devices.dist_backend()

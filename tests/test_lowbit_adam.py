@@ -401,3 +401,29 @@ def test_state_dtypes_and_bytes_by_role():
     }
     with pytest.raises(ValueError, match="exp_avg_sq_dtype"):
         LowBitAdamW([bias], exp_avg_sq_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("chunk", [1, 50])
+def test_chunked_update_is_bit_identical(chunk):
+    """Updating in runs of ``chunk_elements`` (1: one tensor at a time; 50: runs of two) bounds
+    the FP32 working copies and changes no bit of weights, scales or states."""
+    params = _mixed_model() + _mixed_model()
+    chunked = _rebuild(_snapshot(params))
+    whole_opt = LowBitAdamW(params, lr=1e-2, **O2)
+    chunked_opt = LowBitAdamW(chunked, lr=1e-2, chunk_elements=chunk, **O2)
+    gens = (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))
+    for _ in range(5):
+        random_grads(params, gens[0])
+        random_grads(chunked, gens[1])
+        whole_opt.step()
+        chunked_opt.step()
+    for a, b in zip(params, chunked):
+        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(getattr(a, "scale_inv", a), getattr(b, "scale_inv", b))
+        for key, t in whole_opt.state[a].items():
+            assert torch.equal(bits(chunked_opt.state[b][key]), bits(t))
+
+
+def test_chunk_elements_must_be_positive():
+    with pytest.raises(ValueError, match="chunk_elements=0"):
+        LowBitAdamW([nn.Parameter(torch.ones(2))], chunk_elements=0)

@@ -41,3 +41,19 @@ def test_pipeline_groups_are_strided_and_in_stage_order():
     assert (t.tp_rank, t.dp_rank, t.pp_rank, t.is_last_stage) == (1, 0, 1, True)
     assert Topology(world_size=4, rank=0, pipeline=4).pipeline_ranks() == [[0, 1, 2, 3]]
     assert Topology(world_size=4, rank=0, pipeline=4).embedding_ranks() == [[0, 3]]
+
+
+def test_more_local_ranks_than_gpus_is_one_line(monkeypatch):
+    """A node with 1 GPU and a second process on it (LOCAL_RANK=1): a TopologyError naming
+    the local rank and the count, before any CUDA call or process group. The GPU count is
+    faked (no GPU here); everything after the check is never reached."""
+    from fp8train import device as devices
+    from parallel.topology import TopologyError, init_distributed
+
+    monkeypatch.setattr(devices, "is_cuda", lambda: True)
+    monkeypatch.setattr(devices, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(TopologyError, match=r"LOCAL_RANK=1 \(rank 1\) but this node has 1 CUDA"):
+        init_distributed()

@@ -124,6 +124,7 @@ def train_step(
         pp_group=pipeline.collectives if pipeline is not None else None,
         counted=opt.counted_flags(),
         dp_group=opt.norm_group,
+        device=state.device,
     )
     norm = float(grad_norm)
     finite = math.isfinite(norm)
@@ -574,7 +575,9 @@ def _stage_memory(state: RunState) -> dict[str, float]:
     whole = (state.bytes_per_param or {}).get("all", {})
     n = whole.get("num-parameters", 0.0)
     peak = max(devices.memory_stats(state.device).values(), default=0)
-    mine = torch.tensor([n, n * whole.get("total", 0.0), float(peak)], dtype=torch.float64)
+    # On the run's device: nccl gathers no CPU tensors.
+    values = [n, n * whole.get("total", 0.0), float(peak)]
+    mine = torch.tensor(values, dtype=torch.float64, device=state.device)
     gathered = [torch.zeros_like(mine) for _ in pipeline.ranks]
     dist.all_gather(gathered, mine, group=pipeline.collectives)
     out = {}

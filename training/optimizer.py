@@ -343,9 +343,11 @@ def clip_grad_norm(
     pp_group=None,
     counted: tuple[list[bool], list[bool]] | None = None,
     dp_group=None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
+    ``device``: where a rank without gradients makes its zero (the run's device).
     Returns the norm before clipping as a tensor; an overflowed FP8 slot (non-finite amax)
     makes it non-finite so the caller skips the step. Every gradient is clipped, FP8 ones
     included (MS-AMP skips them): for a slot that is a change of its scale only. Under tensor
@@ -359,9 +361,11 @@ def clip_grad_norm(
     for slot in slots:
         # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
         squares.append(torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax)
+    # A rank holding no gradients still joins the reductions, on the run's device (nccl
+    # reduces no CPU tensors).
     if not squares and pp_group is None and dp_group is None:
-        return torch.zeros(())
-    squares = torch.stack(squares) if squares else torch.zeros(0)
+        return torch.zeros((), device=device)
+    squares = torch.stack(squares) if squares else torch.zeros(0, device=device)
     if counted is not None:
         keep = torch.tensor(counted[0] + counted[1], dtype=torch.bool, device=squares.device)
         squares = torch.where(keep, squares, torch.zeros_like(squares))
