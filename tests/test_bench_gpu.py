@@ -1,0 +1,125 @@
+"""CPU smoke test of tools/bench_gpu.py: every subcommand at tiny size for a step or two.
+
+Checks the tables have a row per level and baseline with finite numbers, and that torchao's
+rows say "torchao not installed" where it is missing. Nothing about timings is asserted
+(benchmarks print tables; they are never timed asserts). On a CUDA machine the same test runs
+the tiny rows on the GPU, a cheap check before the full-size runs of docs/GPU_RUNBOOK.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+from tools import bench_gpu
+from tools.bench_gpu_max_size import largest_fitting, parameter_count
+
+TORCHAO = importlib.util.find_spec("torchao") is not None
+BASELINES = ["PyTorch bf16", "torchao float8 tensorwise", "torchao float8 rowwise"]
+
+
+def _run(tmp_path, capsys, *argv: str) -> tuple[list[dict], str]:
+    """Run a subcommand in this process; its JSON rows and the printed table."""
+    out = tmp_path / "rows.json"
+    bench_gpu.main([*argv, "--json", str(out)])
+    return json.loads(out.read_text())["rows"], capsys.readouterr().out
+
+
+def _finite(row: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row)
+
+
+def _torchao_row(row: dict, table: str) -> bool:
+    """Checks a torchao row's status; True when it ran (and its numbers need checking)."""
+    if TORCHAO:
+        assert row["status"] == "ok", row["status"]
+        return True
+    assert row["status"] == "torchao not installed"
+    assert f"| {row['name']} | torchao not installed |" in table
+    return False
+
+
+def test_levels_rows(tmp_path, capsys):
+    argv = ["levels", "--size", "tiny", "--steps", "2", "--warmup", "1", "--in-process"]
+    rows, table = _run(tmp_path, capsys, *argv)
+    assert [r["name"] for r in rows] == [f"fp8train {lv}" for lv in bench_gpu.LEVELS] + BASELINES
+    assert (
+        "Synthetic tokens" in table and "torch " in table and "tools/bench_gpu.py levels" in table
+    )
+    for row in rows:
+        assert f"| {row['name']} |" in table
+        if row["name"].startswith("torchao") and not _torchao_row(row, table):
+            continue
+        assert row["status"] == "ok", row["status"]
+        _finite(row, "step_s", "tokens_per_s", "tflops", "peak_bytes", "loss", "params")
+        assert row["tokens_per_s"] > 0 and row["tflops"] > 0
+        if row["name"].startswith("fp8train"):
+            _finite(row, "bytes_per_param")
+    # The baseline is the same model: GPT2LMHeadModel of the project's shape, same parameters.
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["PyTorch bf16"]["params"] == by_name["fp8train bf16"]["params"]
+
+    # `report` puts a saved run's table into a document; a run cut short keeps its rows.
+    saved, doc = tmp_path / "rows.json", tmp_path / "BENCHMARKS.md"
+    bench_gpu.main(["report", str(saved), "--write", str(doc)])
+    assert "<!-- bench_gpu:levels:tiny:begin -->" in doc.read_text()
+    data = json.loads(saved.read_text())
+    partial = {**data, "complete": False, "rows_so_far": data["rows"][:2]}
+    text = bench_gpu.saved_report(partial)
+    assert "stopped after 2 rows" in text and "| fp8train te |" in text
+    assert "| fp8train O1 |" not in text
+
+
+def test_linear_rows_and_write(tmp_path, capsys):
+    doc = tmp_path / "BENCHMARKS.md"
+    argv = ["linear", "--size", "64", "--iters", "2", "--warmup", "1", "--write", str(doc)]
+    rows, table = _run(tmp_path, capsys, *argv)
+    names = [r["name"] for r in rows]
+    assert names[0] == "torch.nn.Linear bf16" and len(names) == 5
+    assert sum(n.startswith("fp8train.Linear te") for n in names) == 2
+    for row in rows:
+        if row["name"].startswith("torchao") and not _torchao_row(row, table):
+            continue
+        assert row["status"] == "ok", row["status"]
+        _finite(row, "step_s", "tflops")
+    text = doc.read_text()
+    assert "<!-- bench_gpu:linear:begin -->" in text and "| torch.nn.Linear bf16 |" in text
+
+
+def test_max_size_in_process(tmp_path, capsys):
+    two = parameter_count({"size": "tiny", "layers": 2, "steps": 1, "warmup": 0})
+    argv = ["max-size", "--size", "tiny", "--start-layers", "1", "--cap-params", str(two)]
+    results, table = _run(tmp_path, capsys, *argv, "--in-process")
+    assert [r["level"] for r in results] == ["bf16", "O2", "O3"]
+    for r in results:
+        assert (r["layers"], r["bad"], r["why"]) == (2, 3, "over --cap-params")
+        assert r["params"] == two and r["peak_bytes"] > 0
+        assert f"| {r['level']} | 2 | 3 (over --cap-params) |" in table
+
+
+def test_max_size_attempt_in_subprocess(tmp_path, capsys):
+    one = parameter_count({"size": "tiny", "layers": 1, "steps": 1, "warmup": 0})
+    argv = ["max-size", "--size", "tiny", "--levels", "bf16", "--start-layers", "1"]
+    (result,), _ = _run(tmp_path, capsys, *argv, "--cap-params", str(one))
+    assert (result["layers"], result["bad"]) == (1, 2)
+    ran = result["tried"][0]  # the one attempt that ran, in a fresh process
+    assert ran["status"] == "ok" and ran["params"] == one
+    _finite(ran, "step_s", "peak_bytes", "loss")
+
+
+def test_largest_fitting_doubles_then_bisects():
+    tried = []
+
+    def fits(n: int) -> bool:
+        tried.append(n)
+        return n <= 37
+
+    assert largest_fitting(fits, 4, 1024, 0.0, math.inf) == (37, 38)
+    assert tried[:5] == [4, 8, 16, 32, 64]  # doubling until the first failure
+    exact, tried[:] = len(tried), []
+    ok, bad = largest_fitting(fits, 4, 1024, 0.1, math.inf)
+    assert ok <= 37 < bad and bad - ok <= max(1, int(ok * 0.1)) and len(tried) < exact
+    assert largest_fitting(lambda n: True, 3, 20, 0.1, math.inf) == (20, None)
+    assert largest_fitting(lambda n: False, 4, 20, 0.1, math.inf) == (0, 1)

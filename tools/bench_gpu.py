@@ -1,0 +1,303 @@
+"""Benchmarks for a lent GPU: every precision level against plain PyTorch and torchao.
+
+    python tools/bench_gpu.py levels --size 1.3b [--steps 10] [--warmup 3] [--json PATH]
+    python tools/bench_gpu.py linear [--size 8192] [--json PATH]
+    python tools/bench_gpu.py max-size [--levels bf16 O2 O3] [--json PATH]
+    ... [--write docs/BENCHMARKS.md]      # the table between this tool's markers
+    python tools/bench_gpu.py report RUN.json... [--write docs/BENCHMARKS.md]
+
+levels: one process (world size 1) trains a GPT with the project's own stack (load_config +
+overrides, build_run, train_step) at bf16, te, O1, O2, O3; then the same shape as plain
+PyTorch (transformers' GPT2LMHeadModel in bf16, torch AdamW, SDPA attention) and with
+torchao's float8 training (tensorwise, rowwise) applied to that plain model. Tokens are
+synthetic (uniform random ids, one batch repeated): throughput only, the losses mean nothing.
+Each row runs in a fresh subprocess (a crash or an OOM costs that row only, and its peak
+memory is its own) unless ``--in-process``.
+
+linear: forward + backward of one [M, K] x [K, N] linear (M = N = K = ``--size``): bf16
+``torch.nn.Linear`` against ``fp8train.Linear`` under the te recipe and torchao's Float8Linear.
+
+max-size: the most layers at a fixed width (``model.recompute=full``, micro-batch 1) that
+complete one training step at each level, by doubling then bisecting the layer count, each
+attempt in a fresh subprocess. ``--cap-params`` turns attempts above a parameter count into
+failures without running them (how the CPU smoke test stays within seconds).
+
+report: the tables of saved ``--json`` files (written after every row, so a run cut short
+by a time limit still has the rows it finished), and ``--write`` puts them in the document.
+
+Timers read after a device synchronisation; ratios are measured side by side in one run;
+nothing is asserted about timings (tests/test_bench_gpu.py runs each subcommand tiny on CPU).
+
+This file is the command line and the drivers; one training row is built and timed in
+bench_gpu_rows.py, the linear rows in bench_gpu_linear.py, the max-size search in
+bench_gpu_max_size.py, and the markdown tables in bench_gpu_tables.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from fp8train import device as devices  # noqa: E402
+from fp8train import gemm  # noqa: E402
+from tools import bench_docs  # noqa: E402
+from tools import bench_gpu_tables as tables  # noqa: E402
+from tools.bench_gpu_linear import linear_rows  # noqa: E402
+from tools.bench_gpu_max_size import search_level  # noqa: E402
+from tools.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
+
+__all__ = ["BASELINES", "LEVELS", "main", "saved_report"]
+
+LEVELS = ("bf16", "te", "O1", "O2", "O3")
+BASELINES = ("plain", "torchao-tensorwise", "torchao-rowwise")
+
+
+# --------------------------------------------------------------------------- subcommands
+
+
+def _finish(args, row: dict) -> dict:
+    """Derived numbers, a progress line, and the JSON so far: a device call that runs out of
+    time still leaves every finished row (and attempt) in ``--json``."""
+    if row["status"] == "ok":
+        row["tokens_per_s"] = row["tokens"] / row["step_s"]
+        row["tflops"] = row["flops"] / row["step_s"] / 1e12
+    rate = f", {row['tflops']:.3f} TFLOP/s" if row["status"] == "ok" else ""
+    sys.stderr.write(f"[bench_gpu] {row['name']}: {row['status']}{rate}\n")
+    args.done.append(row)
+    _save_json(args, {"complete": False, "rows_so_far": args.done})
+    return row
+
+
+def _save_json(args, body: dict) -> None:
+    if args.json:
+        tag, heading = _tag(args)
+        out = {"subcommand": args.command, "environment": args.env, "tag": tag, "heading": heading}
+        out.update(body)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def cmd_levels(args) -> tuple[str, list[dict]]:
+    common = {
+        "size": args.size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "micro_batch": args.micro_batch,
+        "recompute": args.recompute,
+        "fp8_backend": args.fp8_backend,
+        "build_on_device": args.build_on_device,
+    }
+    specs = [
+        {"kind": "project", "name": f"fp8train {lv}", "level": lv, **common} for lv in args.levels
+    ]
+    for base in args.baselines:
+        recipe = base.split("-", 1)[1] if base.startswith("torchao") else None
+        name = f"torchao float8 {recipe}" if recipe else "PyTorch bf16"
+        specs.append({"kind": "plain", "name": name, "recipe": recipe, **common})
+        if args.compile:
+            specs.append({**specs[-1], "name": f"{name} + torch.compile", "compile": True})
+    rows = [_finish(args, run_row(s, args.in_process, args.row_timeout)) for s in specs]
+    info = _device_of(args, rows)
+    cuda = info["device_type"] == "cuda"
+    shape = SHAPES[args.size]
+    micro = args.micro_batch or shape.micro_batch
+    backend = next((r.get("fp8_backend") for r in rows if r.get("fp8_backend")), None)
+    memory = (
+        "max allocated by the CUDA caching allocator"
+        if cuda
+        else "the process's max RSS (everything, not just tensors)"
+    )
+    title = (
+        f"GPT {args.size} ({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, "
+        f"sequence {shape.seq}, vocabulary {shape.vocab} padded to a multiple of 128), "
+        f"micro-batch {micro}, one process; {args.warmup} warm-up steps, then the median of "
+        f"{args.steps}. Synthetic tokens (uniform random ids): throughput only. fp8train FP8 "
+        f"GEMMs: {backend or '-'}. PyTorch bf16 = GPT2LMHeadModel (Conv1D as nn.Linear) with "
+        "bf16 weights and AdamW states, SDPA, clipping, AdamW "
+        f"{'fused' if cuda else 'foreach'}; torchao rows convert its linears except the head. "
+        f"Peak memory: {memory}. {tables.peak_note(info)}."
+    )
+    return _report(args, title, tables.levels_table(rows, info)), rows
+
+
+def cmd_linear(args) -> tuple[str, list[dict]]:
+    device = devices.get_device()
+    rows = linear_rows(args, device, functools.partial(_finish, args))
+    info = _device_of(args, [device_info(device)])
+    s = args.size
+    title = (
+        f"Forward + backward of one linear layer, M = N = K = {s} (6·M·N·K FLOP per "
+        f"iteration), no bias; median of {args.iters} after {args.warmup} warm-up iterations; "
+        f"fp8train.Linear: delayed scaling, E4M3 forward, E5M2 gradients. {tables.peak_note(info)}."
+    )
+    return _report(args, title, tables.linear_table(rows, info)), rows
+
+
+def cmd_max_size(args) -> tuple[str, list[dict]]:
+    results, first = [], args.start_layers or SHAPES[args.size].layers
+    start = first
+    record = functools.partial(_finish, args)
+    for level in args.levels:
+        found = search_level(level, start, args, record)
+        results.append(found)
+        start = max(start, found["layers"])  # the next level starts where this one ended
+    _device_of(args, [a for r in results for a in r["tried"]])
+    shape = SHAPES[args.size]
+    cap = f"; attempts above {args.cap_params:,} parameters not run" if args.cap_params else ""
+    where = "all in this process" if args.in_process else "each attempt a fresh process"
+    title = (
+        f"Most layers of hidden {shape.hidden}, {shape.heads} heads, sequence {shape.seq}, "
+        f"vocabulary {shape.vocab} that complete one training step on one process "
+        f"(model.recompute=full, micro-batch {args.micro_batch or 1}): doubling from {first} "
+        f"then bisection to {args.tolerance:.0%} or {args.budget_s:.0f} s per level, {where}{cap}."
+    )
+    return _report(args, title, tables.max_size_table(results)), results
+
+
+# --------------------------------------------------------------------------- output
+
+
+def environment(argv: list[str]) -> dict:
+    """Date, torch and command; the device comes from the rows (``_device_of``)."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "command": "python tools/bench_gpu.py " + shlex.join(argv),
+    }
+
+
+def _device_of(args, rows: list[dict]) -> dict:
+    """The device the rows ran on (asked here only when none ran), recorded in ``args.env``."""
+    keys = ("device", "device_type", "capability")
+    info = next((r for r in rows if "device" in r), None) or device_info(devices.get_device())
+    args.env.update({k: info[k] for k in keys})
+    return args.env
+
+
+def _report(args, title: str, table: str) -> str:
+    env = args.env
+    cap = f" ({env['capability']})" if env["capability"] else ""
+    return (
+        f"Measured {env['date']} on {env['device']}{cap}, torch {env['torch']}, with "
+        f"`{env['command']}`. {title}\n\n{table}"
+    )
+
+
+def _tag(args) -> tuple[str, str]:
+    if args.command == "levels":
+        return f"bench_gpu:levels:{args.size}", f"## GPU: precision levels, GPT {args.size}"
+    if args.command == "linear":
+        return "bench_gpu:linear", "## GPU: FP8 linear layer, forward + backward"
+    return "bench_gpu:max-size", "## GPU: largest GPT one GPU trains, by level"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", help="write the rows to this file")
+    common.add_argument("--write", help="markdown file to put the table into (between markers)")
+    common.add_argument("--in-process", action="store_true", help="no subprocess per row")
+    common.add_argument("--row-timeout", type=float, default=600, help="seconds per subprocess")
+    common.add_argument("--fp8-backend", choices=gemm.BACKENDS, help="default: scaled_mm on CUDA")
+    common.add_argument("--compile", action="store_true", help="add torch.compile'd baselines")
+    common.add_argument(
+        "--build-on-device", action="store_true", help="build fp8train models on the device"
+    )
+
+    lv = sub.add_parser("levels", parents=[common], help="precision levels and baselines")
+    lv.add_argument("--size", choices=SHAPES, default="1.3b")
+    lv.add_argument("--steps", type=int, default=10)
+    lv.add_argument("--warmup", type=int, default=3)
+    lv.add_argument("--micro-batch", type=int, help="default: the shape's")
+    lv.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    lv.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    lv.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
+
+    li = sub.add_parser("linear", parents=[common], help="FP8 linear micro-benchmark")
+    li.add_argument("--size", type=int, default=8192, help="M = N = K")
+    li.add_argument("--iters", type=int, default=20)
+    li.add_argument("--warmup", type=int, default=5)
+
+    ms = sub.add_parser("max-size", parents=[common], help="largest GPT per level")
+    ms.add_argument("--size", choices=SHAPES, default="1.3b", help="the width, heads, sequence")
+    ms.add_argument("--levels", nargs="+", choices=LEVELS, default=["bf16", "O2", "O3"])
+    ms.add_argument("--micro-batch", type=int, help="default 1")
+    ms.add_argument("--start-layers", type=int, help="default: the shape's layer count")
+    ms.add_argument("--max-layers", type=int, default=1024)
+    ms.add_argument("--tolerance", type=float, default=0.1, help="relative bisection stop")
+    ms.add_argument("--budget-s", type=float, default=300, help="search seconds per level")
+    ms.add_argument("--cap-params", type=int, help="attempts above this many parameters fail")
+
+    rp = sub.add_parser("report", help="print the tables of saved --json files")
+    rp.add_argument("files", nargs="+")
+    rp.add_argument("--write", help="markdown file to put each table into (between markers)")
+
+    row = sub.add_parser("_row", help=argparse.SUPPRESS)  # one row, in a fresh process
+    row.add_argument("spec")
+    return parser
+
+
+COMMANDS = {"levels": cmd_levels, "linear": cmd_linear, "max-size": cmd_max_size}
+
+
+def saved_report(data: dict) -> str | None:
+    """The report of a ``--json`` file; for a run that stopped early (a device call's time
+    limit), the levels or linear table of the rows it finished. None when there is none."""
+    if data.get("complete"):
+        return data["report"]
+    rows = data.get("rows_so_far", [])
+    table = {"levels": tables.levels_table, "linear": tables.linear_table}.get(data["subcommand"])
+    info = next((r for r in rows if "device" in r), None)
+    if table is None or info is None:
+        return None
+    env = data["environment"]
+    return (
+        f"Measured {env['date']} on {info['device']}, torch {env['torch']}, with "
+        f"`{env['command']}`, which stopped after {len(rows)} rows.\n\n{table(rows, info)}"
+    )
+
+
+def cmd_report(args) -> None:
+    """Print (and with ``--write`` put into the document) the tables of saved runs."""
+    for path in args.files:
+        data = json.loads(Path(path).read_text())
+        text = saved_report(data)
+        if text is None:
+            print(f"{path}: no table (an unfinished {data['subcommand']} run)\n")
+            continue
+        print(f"{text}\n")
+        if args.write:
+            bench_docs.write_section(Path(args.write), text, data["tag"], data["heading"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.command == "_row":
+        print(ROW_PREFIX + json.dumps(measure_row(json.loads(args.spec))), flush=True)
+        return
+    if args.command == "report":
+        cmd_report(args)
+        return
+    args.env, args.done = environment(argv), []
+    report, rows = COMMANDS[args.command](args)
+    print(report)
+    _save_json(args, {"complete": True, "rows": rows, "report": report})
+    if args.write:
+        tag, heading = _tag(args)
+        bench_docs.write_section(Path(args.write), report, tag, heading)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""One row of tools/bench_gpu.py: a spec (a dict, JSON-able so that it can cross into a fresh
+process) in, the spec plus its measurements and a status out.
+
+A ``"project"`` row trains the project's own stack (load_config + overrides, build_run,
+train_step) at one precision level; a ``"plain"`` row trains transformers' GPT2LMHeadModel of
+the same shape in bf16 with torch AdamW, optionally with torchao's float8 training applied.
+Tokens are synthetic (uniform random ids, one batch repeated): throughput only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from families import register_family
+from families.gpt import GPTFamily, GPTModelSection
+from fp8train import device as devices
+from fp8train import gemm
+from training.config import load_config
+from training.loop import train_step
+from training.setup import build_run
+
+__all__ = [
+    "FAMILY",
+    "NOT_INSTALLED",
+    "ROW_PREFIX",
+    "SHAPES",
+    "Shape",
+    "SyntheticGPTFamily",
+    "device_info",
+    "fp8_backend",
+    "measure_row",
+    "model_config",
+    "run_config",
+    "run_row",
+    "time_steps",
+    "torchao_float8",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+# A row's subprocess runs the command line's hidden ``_row`` subcommand, which lives in the
+# script, not in this module.
+SCRIPT = Path(__file__).resolve().with_name("bench_gpu.py")
+CONFIG = "configs/gpt_1.3b.yaml"  # GPT-3 XL; the other shapes override its model keys
+ROW_PREFIX = "BENCH_GPU_ROW "  # the line a row's subprocess reports on
+NOT_INSTALLED = "torchao not installed"
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int  # before the project pads it to a multiple of 128 (50257 -> 50304)
+    micro_batch: int
+
+
+SHAPES = {
+    "tiny": Shape(2, 64, 2, 64, 512, 2),  # CPU smoke test: seconds
+    "350m": Shape(24, 1024, 16, 2048, 50257, 8),  # GPT-3 Medium
+    "1.3b": Shape(24, 2048, 16, 2048, 50257, 4),  # GPT-3 XL, as configs/gpt_1.3b.yaml
+}
+
+# --------------------------------------------------------------------------- synthetic data
+
+
+@dataclass(frozen=True)
+class SyntheticSection(GPTModelSection):
+    """GPT's model section under the synthetic family's name (a section names its family)."""
+
+    FAMILY: ClassVar[str] = "gpt_synthetic"
+
+
+class SyntheticGPTFamily(GPTFamily):
+    """The GPT family with nothing read from disk: a vocabulary of ``data.vocab_size`` ids and
+    no datasets (the benchmark hands train_step its own batches). Building the stdlib corpus
+    and its tokenizer would cost minutes of a 30-minute GPU lease and measure nothing."""
+
+    name = "gpt_synthetic"
+    model_section = SyntheticSection
+
+    def preflight(self, cfg):
+        return None
+
+    def prepare_data(self, cfg, rank: int):
+        vocab = types.SimpleNamespace(vocab_size=cfg.data.vocab_size)
+        return types.SimpleNamespace(tokenizer=vocab, data_prefix=None)
+
+    def build_datasets(self, cfg, data, train_samples: int, valid_samples: int):
+        return None, None
+
+
+FAMILY = register_family(SyntheticGPTFamily())
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, device: torch.device) -> dict:
+    """One micro-batch in the GPT dataset's format, already on ``device`` (no copy per step)."""
+    gen = torch.Generator().manual_seed(0)  # private: the model's RNG stream stays untouched
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    out = {
+        "tokens": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "loss_mask": torch.ones(batch, seq),
+        "position_ids": torch.arange(seq).expand(batch, seq),
+    }
+    return {k: v.contiguous().to(device) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- one row
+
+
+def fp8_backend(device: torch.device, choice: str | None = None) -> str:
+    """The FP8 GEMM backend, pinned: "auto" would time both inside the first row."""
+    if choice:
+        return choice
+    if device.type == "cuda" and gemm.scaled_mm_available(device):
+        return "scaled_mm"  # FP8 tensor cores
+    return "emulated"
+
+
+def run_config(spec: dict):
+    """The run's Config: configs/gpt_1.3b.yaml with the shape, level and batch of ``spec``."""
+    shape = SHAPES[spec["size"]]
+    micro = spec.get("micro_batch") or shape.micro_batch
+    values = {
+        "model.num_layers": spec.get("layers") or shape.layers,
+        "model.hidden_size": shape.hidden,
+        "model.num_attention_heads": shape.heads,
+        "model.seq_length": shape.seq,
+        "model.recompute": spec.get("recompute", "none"),
+        "data.vocab_size": shape.vocab,
+        "training.micro_batch_size": micro,
+        "training.global_batch_size": micro,  # one micro-batch per step: no accumulation
+        "training.train_iters": spec["warmup"] + spec["steps"],
+        "optimizer.lr_warmup_iters": 0,
+        "precision.level": spec.get("level") or "bf16",
+        "precision.fp8_gemm_backend": spec.get("fp8_backend") or "emulated",
+    }
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    return load_config(str(REPO / CONFIG), overrides, family=FAMILY.name)
+
+
+def model_config(cfg):
+    """The GPTConfig every row of a shape shares (vocabulary padded as the project pads it)."""
+    return FAMILY.model_config(cfg, FAMILY.prepare_data(cfg, 0), 1)
+
+
+def device_info(device: torch.device) -> dict:
+    """What the report says about the device; rows carry it, so that the parent process of
+    subprocess rows never touches the GPU (a CUDA context there would hold memory the rows
+    then lack)."""
+    cap = devices.cuda_capability(device)
+    return {
+        "device": devices.device_name(device),
+        "device_type": device.type,
+        "capability": f"sm_{cap[0]}{cap[1]}" if cap else None,
+    }
+
+
+def peak_bytes(device: torch.device) -> int:
+    stats = devices.memory_stats(device)
+    return stats.get("max_allocated", stats.get("max_rss", 0))
+
+
+def time_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
+    """Median seconds per step after ``warmup`` untimed steps, and the peak memory of the
+    timed ones (reset after warm-up: the optimizer's lazily made states exist by then)."""
+    for _ in range(warmup):
+        step()
+    devices.synchronize(device)
+    devices.reset_peak_memory(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        devices.synchronize(device)  # the kernels this step queued are part of its time
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "peak_bytes": peak_bytes(device)}
+
+
+def project_row(spec: dict) -> dict:
+    """The project's own stack at ``spec["level"]``: build_run, then train_step."""
+    device = devices.get_device()
+    cfg = run_config({**spec, "fp8_backend": fp8_backend(device, spec.get("fp8_backend"))})
+    # --build-on-device: build and initialise under the device as default device. build_run
+    # otherwise initialises on the host, at about 100-200 M values/s (one thread's RNG):
+    # minutes for the largest max-size attempts, for values nobody reads.
+    where = torch.device(device) if spec.get("build_on_device") else contextlib.nullcontext()
+    with where:
+        state = build_run(cfg)
+    micro, seq = cfg.training.micro_batch_size, cfg.model.seq_length
+    data = itertools.repeat(synthetic_batch(micro, seq, state.model_config.vocab_size, device))
+    stats = {}
+
+    def step():
+        stats.update(train_step(state, data, 1))
+
+    timing = time_steps(step, device, spec["warmup"], spec["steps"])
+    bpp = (state.bytes_per_param or {}).get("all", {}).get("total")
+    return {
+        **timing,
+        **device_info(device),
+        "tokens": micro * seq,
+        "flops": state.family.flops_per_step(state.model_config, micro),
+        "params": sum(p.numel() for p in state.model.parameters()),
+        "bytes_per_param": bpp,
+        "loss": stats.get("loss"),
+        "fp8_backend": state.gemm_backend,
+        "gemm": state.recipe.gemm,
+    }
+
+
+def linearise_conv1d(model: nn.Module) -> nn.Module:
+    """GPT-2's ``Conv1D`` (``x @ W + b``, W stored [in, out]) as the equal ``nn.Linear``: the
+    same GEMMs, and torchao's float8 conversion only swaps ``nn.Linear`` modules."""
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                fan_in, fan_out = child.weight.shape
+                linear = nn.Linear(fan_in, fan_out, device=child.weight.device)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model
+
+
+def torchao_float8():
+    """torchao's float8 training API, or None when torchao is not importable."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def _fp8_filter(module: nn.Module, fqn: str) -> bool:
+    # The head stays in bf16, as the project keeps its output head out of FP8; FP8 GEMMs need
+    # both dimensions divisible by 16.
+    return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def plain_model(config, device: torch.device, recipe: str | None) -> nn.Module:
+    """transformers' GPT2LMHeadModel of the project's shape (random weights, SDPA, no
+    dropout) in bf16; with ``recipe`` its linears converted to torchao float8 training."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.seq_length,
+        n_embd=config.hidden_size,
+        n_layer=config.num_layers,
+        n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size,
+        activation_function="gelu_new",  # tanh GELU, the project's GPT-2 GELU
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: no host copy of the model
+        model = GPT2LMHeadModel(hf)
+    model = linearise_conv1d(model).to(torch.bfloat16)
+    if recipe is not None:
+        config_cls, convert = torchao_float8()
+        convert(model, config=config_cls.from_recipe_name(recipe), module_filter_fn=_fp8_filter)
+    return model
+
+
+def plain_row(spec: dict) -> dict:
+    """Plain PyTorch (optionally torchao float8): forward, backward, clip, AdamW step."""
+    device = devices.get_device()
+    cfg = run_config(spec)
+    config = model_config(cfg)
+    model = plain_model(config, device, spec.get("recipe"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(
+        params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay, **fused
+    )
+    run = torch.compile(model) if spec.get("compile") else model
+    micro, seq = cfg.training.micro_batch_size, config.seq_length
+    tokens = synthetic_batch(micro, seq, config.vocab_size, device)["tokens"]
+    stats = {}
+
+    def step():
+        loss = run(input_ids=tokens, labels=tokens).loss  # HF shifts the labels itself
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, cfg.training.clip_grad, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats["loss"] = loss.detach()
+
+    timing = time_steps(step, device, spec["warmup"], spec["steps"])
+    return {
+        **timing,
+        **device_info(device),
+        "tokens": micro * seq,
+        "flops": FAMILY.flops_per_step(config, micro),  # the same formula as the levels
+        "params": sum(p.numel() for p in params),
+        "bytes_per_param": None,
+        "loss": float(stats["loss"]),
+        "gemm": "fp8" if spec.get("recipe") else "bf16",
+    }
+
+
+ROW_KINDS = {"project": project_row, "plain": plain_row}
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    text = str(err)
+    return (
+        isinstance(err, torch.OutOfMemoryError)
+        or "out of memory" in text.lower()
+        or ("can't allocate memory" in text)
+    )
+
+
+def measure_row(spec: dict) -> dict:
+    """``spec`` plus its measurements and a status: "ok", "OOM", or "failed: ..." (with the
+    traceback on stderr), so that one row that does not run leaves the table standing."""
+    if spec.get("recipe") and torchao_float8() is None:
+        return {**spec, "status": NOT_INSTALLED}
+    try:
+        return {**spec, "status": "ok", **ROW_KINDS[spec["kind"]](spec)}
+    except Exception as err:  # noqa: BLE001  (reported in the row; the traceback goes to stderr)
+        if _out_of_memory(err):
+            return {**spec, "status": "OOM"}
+        traceback.print_exc()
+        return {**spec, "status": f"failed: {type(err).__name__}: {str(err)[:160]}"}
+
+
+def run_row(spec: dict, in_process: bool, timeout: float) -> dict:
+    """One row in this process or in a fresh one (whose last ``ROW_PREFIX`` line is it)."""
+    if in_process or (spec.get("recipe") and torchao_float8() is None):
+        return measure_row(spec)
+    cmd = [sys.executable, str(SCRIPT), "_row", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": f"failed: timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(ROW_PREFIX):
+            return json.loads(line[len(ROW_PREFIX) :])
+    sys.stderr.write(proc.stderr[-4000:])
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    why = "killed (host out of memory?)" if proc.returncode == -9 else last[:160]
+    return {**spec, "status": f"failed: exit {proc.returncode}: {why}"}

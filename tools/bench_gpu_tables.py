@@ -1,0 +1,129 @@
+"""The markdown tables of tools/bench_gpu.py, from its rows and the device they ran on.
+
+Throughput, MFU against the dense peak the trainer itself would use, peak memory and speed
+ratios between rows measured side by side; a row that did not run keeps its line with its
+status.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from training.flops import measure_cpu_peak_tflops, peak_tflops_for
+from training.machine_cache import remember
+
+__all__ = ["levels_table", "linear_table", "max_size_table", "peak_note", "peak_tflops"]
+
+GIB = 2**30
+
+
+def peak_tflops(info: dict, gemm_dtype: str) -> float:
+    """The MFU denominator as the trainer picks it (training/loop.py ``_peak``): a known GPU's
+    dense peak for the GEMM dtype, else (on a CPU) the best measured fp32 matmul rate; NaN
+    for a GPU the peak table does not know."""
+    known = peak_tflops_for(info["device"], gemm_dtype)
+    if known is not None:
+        return known
+    return _cpu_peak() if info["device_type"] == "cpu" else math.nan
+
+
+@functools.cache
+def _cpu_peak() -> float:
+    # Once per run: it is measured again at every call, and two columns of one table must
+    # divide by the same number.
+    cpu = torch.device("cpu")
+    value, _ = remember("fp32-matmul-tflops", cpu, measure_cpu_peak_tflops, best=max)
+    return float(value)
+
+
+def peak_note(info: dict) -> str:
+    if info["device_type"] == "cpu":
+        return f"MFU against this CPU's best measured fp32 matmul rate ({_cpu_peak():.3g} TFLOP/s)"
+    bf16, fp8 = peak_tflops(info, "bf16"), peak_tflops(info, "fp8")
+    return f"MFU against the dense peaks {_num(bf16)} (BF16) and {_num(fp8)} (FP8) TFLOP/s"
+
+
+def _num(x: float) -> str:
+    """Three significant digits below 100 (CPU smoke runs), whole numbers above."""
+    return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _pct(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.1%}"
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, fmt)
+
+
+def _speed(row: dict | None, ref: dict | None) -> str:
+    if not (row and ref and row["status"] == ref["status"] == "ok"):
+        return "-"
+    return f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+
+
+def levels_table(rows: list[dict], info: dict) -> str:
+    """One row per level and baseline; MFU against the BF16 dense peak (comparable across
+    rows) and against the peak of the row's own GEMM dtype (what the trainer logs)."""
+    bf16_peak = peak_tflops(info, "bf16")
+    ours = next((r for r in rows if r["name"] == "fp8train bf16"), None)
+    plain = next((r for r in rows if r["name"] == "PyTorch bf16"), None)
+    head = (
+        "| row | tokens/s | ms/step | TFLOP/s | MFU (BF16 peak) | MFU (own GEMM peak) | "
+        "peak memory GiB | model-state bytes/param | speed vs fp8train bf16 | "
+        "speed vs PyTorch bf16 |"
+    )
+    lines = [head, "|---" * 10 + "|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']} |" + " - |" * 8)
+            continue
+        own = peak_tflops(info, r["gemm"])
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_s'] * 1e3:.1f} | "
+            f"{_num(r['tflops'])} | {_pct(r['tflops'] / bf16_peak)} | {_pct(r['tflops'] / own)} | "
+            f"{r['peak_bytes'] / GIB:.2f} | {_f(r['bytes_per_param'], '.1f')} | "
+            f"{_speed(r, ours)} | {_speed(r, plain)} |"
+        )
+    return "\n".join(lines)
+
+
+def linear_table(rows: list[dict], info: dict) -> str:
+    bf16_peak, fp8_peak = peak_tflops(info, "bf16"), peak_tflops(info, "fp8")
+    ref = rows[0]
+    lines = [
+        "| layer | ms (median) | TFLOP/s | speed vs bf16 | % of BF16 dense peak "
+        "| % of FP8 dense peak |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']} | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['step_s'] * 1e3:.3f} | {_num(r['tflops'])} | "
+            f"{ref['step_s'] / r['step_s']:.2f}x | {_pct(r['tflops'] / bf16_peak)} | "
+            f"{_pct(r['tflops'] / fp8_peak)} |"
+        )
+    return "\n".join(lines)
+
+
+def max_size_table(results: list[dict]) -> str:
+    ref = next((r for r in results if r["level"] == "bf16" and r["params"]), None)
+    lines = [
+        "| level | most layers that trained | first that did not (why) | parameters per GPU | "
+        "peak memory GiB | params vs bf16 | attempts | search s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        bad = "-" if r["bad"] is None else f"{r['bad']} ({r['why']})"
+        ratio = f"{r['params'] / ref['params']:.2f}x" if ref and r["params"] else "-"
+        peak = _f(r["peak_bytes"] / GIB if r["peak_bytes"] else None, ".2f")
+        lines.append(
+            f"| {r['level']} | {r['layers']} | {bad} | {r['params']:,} | {peak} | {ratio} | "
+            f"{r['attempts']} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
