@@ -106,6 +106,9 @@ class ModelFamily(ABC):
     logits_output: ClassVar[str | None] = None
     # Hugging Face ``config.json`` ``model_type`` values this family imports (``import_hf``).
     hf_model_types: ClassVar[tuple[str, ...]] = ()
+    # Extra pieces a SentencePiece tokenizer trained for this family must have (RoBERTa:
+    # "<mask>"); part of the default corpus's cache key.
+    control_symbols: ClassVar[tuple[str, ...]] = ()
 
     def config_from_checkpoint(self, metadata: dict) -> Any:
         """The model config a training checkpoint's ``metadata.json`` describes (its

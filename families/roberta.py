@@ -162,13 +162,13 @@ class RobertaFamily(ModelFamily):
 
     def preflight(self, cfg) -> RobertaConfig | None:
         """The data files' headers and the tokenizer with its masked-LM pieces."""
-        prepared = check_text_data(cfg.data, cfg.training.seed, ("<mask>",))
+        prepared = check_text_data(cfg.data, cfg.training.seed, self.control_symbols)
         if prepared is None:  # the default corpus, built when the run starts
             return None
         return self.model_config(cfg, _roberta_data(prepared), cfg.parallel.tensor)
 
     def prepare_data(self, cfg, rank: int) -> RobertaData:
-        prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, ("<mask>",))
+        prepared = prepare_text_data(cfg.data, cfg.training.seed, rank, self.control_symbols)
         return _roberta_data(prepared)
 
     def model_config(self, cfg, data: RobertaData, tensor_parallel: int) -> RobertaConfig:

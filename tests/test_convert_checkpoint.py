@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,22 @@ def _hf_config(kind: str):
     )  # fmt: skip
 
 
+def _save_tokenizer(kind: str, directory) -> list[str]:
+    """What a Hugging Face model directory carries besides the model, built locally: a small
+    BPE tokenizer (text models) or an image processor config (ViT). Returns the file names."""
+    if kind == "vit":
+        transformers.ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(directory)
+        return ["preprocessor_config.json"]
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = ["def f(x):\n    return x + 1\n", "import os, sys\nprint(sys.argv)\n"] * 20
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<unk>")
+    return sorted(p.name for p in map(Path, fast.save_pretrained(directory)))
+
+
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(TOOL + list(args), capture_output=True, text=True, timeout=300)
     if ok:
@@ -82,6 +99,7 @@ def converted(request, tmp_path_factory):
             if any(k in name.lower() for k in ("norm", "ln_")) or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(root / "hf")
+    _save_tokenizer(kind, root / "hf")
     native, back = root / "native", root / "back"
     proc = _convert("--input", str(root / "hf"), "--output", str(native), "--format", "native",
                     "--tensor", "2", "--pipeline", "2")  # fmt: skip
@@ -95,7 +113,12 @@ def test_round_trip_gives_every_tensor_bitwise_back(converted):
     files = sorted(p.name for p in (native / "iter_0000000").iterdir())
     assert files == ["metadata.json"] + [
         f"model_tp{t}_pp{p}.safetensors" for t in range(2) for p in range(2)
-    ]
+    ] + ["tokenizer"]
+    # The tokenizer (or image processor) files travel in and out unchanged.
+    carried = sorted(p.name for p in (native / "iter_0000000" / "tokenizer").iterdir())
+    assert carried and carried == sorted(p.name for p in hf.iterdir() if p.name in carried)
+    for name in carried:
+        assert (back / name).read_bytes() == (hf / name).read_bytes(), name
     meta = json.loads((native / "iter_0000000" / "metadata.json").read_text())
     assert meta["weights_only"]
     if kind != "vit":
@@ -108,6 +131,19 @@ def test_round_trip_gives_every_tensor_bitwise_back(converted):
     assert config["model_type"] == kind
     if kind != "vit":
         assert config["vocab_size"] == V
+
+
+def test_an_imported_model_generates_with_its_own_tokenizer(converted):
+    """tools/generate.py finds the tokenizer an import carried: no --tokenizer needed."""
+    from tools.generate import checkpoint_tokenizer
+
+    kind, hf, native, _ = converted
+    if kind != "gpt2":
+        pytest.skip("one family is enough")
+    tokenizer = checkpoint_tokenizer(native)
+    reference = transformers.AutoTokenizer.from_pretrained(hf)
+    text = "def f(x):\n    return x + 1\n"
+    assert tokenizer.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
 
 
 def test_load_pretrained_gives_transformers_logits(converted):

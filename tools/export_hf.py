@@ -7,37 +7,43 @@ Llama style -> ``LlamaForCausalLM``, RoBERTa -> ``RobertaForMaskedLM``, ViT ->
 
 The checkpoint says its model family; any parallel layout and precision level: the canonical
 checkpoint is reassembled (scaled FP16/FP8 weights dequantized) and mapped by the family's
-adapter (families/<family>.py). The output directory holds ``config.json`` and
-``model.safetensors``; ``from_pretrained`` loads it. A RoBERTa tokenizer stays this project's
-SentencePiece model (``data.tokenizer_model`` or the cached stdlib one).
+adapter (families/<family>.py). The output directory holds ``config.json``,
+``model.safetensors`` and the run's tokenizer (training/tokenizer_files.py: a SentencePiece
+model becomes a ``LlamaTokenizer`` checked to give this project's ids);
+``from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it. The same as
+``tools/convert_checkpoint.py --format hf``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from families import get_family  # noqa: E402
+# megatron-core warns at import that TE/apex are absent; we use neither on purpose.
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
+from training.checkpointing import CheckpointError  # noqa: E402
+from training.conversion import export_hf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="an iter_XXXXXXX directory")
+    parser.add_argument(
+        "--checkpoint", required=True, help="an iter_XXXXXXX directory or a checkpoints directory"
+    )
     parser.add_argument("--output", required=True, help="directory to write")
     args = parser.parse_args(argv)
     try:
-        meta_path = Path(args.checkpoint) / "metadata.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{args.checkpoint}: no metadata.json (not a checkpoint)")
-        family = json.loads(meta_path.read_text()).get("family", "gpt")
-        out = get_family(family).export_hf(args.checkpoint, args.output)
-    except (FileNotFoundError, ValueError, KeyError, NotImplementedError) as err:
+        out = export_hf(args.checkpoint, args.output)
+    except (
+        FileNotFoundError, ValueError, KeyError, NotImplementedError, CheckpointError
+    ) as err:  # fmt: skip
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")

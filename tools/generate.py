@@ -8,7 +8,8 @@
 ``latest``; any parallel layout and precision level) or a Hugging Face directory, loaded as one
 single-process FP32 model (``models.load_pretrained``). The tokenizer is the run's own: the
 cached stdlib SentencePiece model (``data.corpus: stdlib``; rebuilt, identically, if the cache
-is gone) or ``data.tokenizer_model``; a Hugging Face directory's ``tokenizer.json``;
+is gone) or ``data.tokenizer_model``; a Hugging Face directory's ``tokenizer.json``, also as
+carried into a native checkpoint by an import (its ``tokenizer/`` folder);
 ``--tokenizer`` overrides (a SentencePiece ``.model``, or a Hugging Face ``tokenizer.json`` or
 its directory). Decoding runs with a KV cache (``--no-cache``: rerun the whole sequence for
 every token, same tokens, slower) and stops at the end-of-document token. The prompt and its
@@ -149,13 +150,18 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     from data.prepare import prepare_default_data
     from data.tokenizer import SentencePieceTokenizer, load_tokenizer
     from training.checkpointing import read_metadata, resolve_checkpoint
+    from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
 
     path = Path(checkpoint)
     if (path / "config.json").is_file():  # a Hugging Face directory
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path}: no tokenizer.json beside the model; pass --tokenizer")
         return load_tokenizer("huggingface", path)
-    metadata = read_metadata(resolve_checkpoint(path))
+    checkpoint_dir = resolve_checkpoint(path)
+    carried = checkpoint_dir / TOKENIZER_FOLDER  # an imported model's own tokenizer
+    if (carried / "tokenizer.json").is_file():
+        return load_tokenizer("huggingface", carried)
+    metadata = read_metadata(checkpoint_dir)
     if metadata.get("weights_only"):
         # An import's run config is a placeholder: its data section is not the model's.
         raise ValueError(

@@ -44,6 +44,8 @@ from training.config import config_from_dict, config_to_dict
 from training.optimizer import parameter_owners, trainable_parameters
 from training.reshard import SourceCheckpoint, Target, optimizer_targets, reshard_iter
 from training.setup import scaling_recipe
+from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
+from training.tokenizer_files import copy_tokenizer_files, export_tokenizer
 
 __all__ = [
     "Layout",
@@ -200,6 +202,7 @@ def convert_native(
                     for d in range(layout.data):  # every replica starts from the same state
                         path = tmp / f"fp8_scaling{suffix}_dp{d}.safetensors"
                         _write(path, scaling, reshard_iter(source, "model", scaling), progress)
+        copy_tokenizer_files(source.path / TOKENIZER_FOLDER, tmp / TOKENIZER_FOLDER)
         (tmp / "metadata.json").write_text(json.dumps(new_meta, indent=2, sort_keys=True))
         tmp.replace(final)
     except BaseException:
@@ -261,14 +264,20 @@ def import_hf(
         "weights_only": f"imported from Hugging Face {directory.resolve()}",
     }
     with tempfile.TemporaryDirectory(prefix="fp8train_import_") as tmp:
+        # The model's tokenizer (or image processor) travels with it.
+        copy_tokenizer_files(directory, Path(tmp) / TOKENIZER_FOLDER)
         write_tensors(Path(tmp) / "model.safetensors", imported.tensors, {})
         (Path(tmp) / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         return convert_native(tmp, output, layout, progress)
 
 
-def export_hf(source_path: str | Path, output: str | Path) -> Path:
-    """A native checkpoint (any layout, any level) as a Hugging Face model directory."""
+def export_hf(source_path: str | Path, output: str | Path, progress: Progress = _stderr) -> Path:
+    """A native checkpoint (any layout, any level) as a Hugging Face model directory, with
+    the run's tokenizer beside it where one is found (training/tokenizer_files.py)."""
     checkpoint = resolve_checkpoint(source_path)
     meta = json.loads((checkpoint / "metadata.json").read_text())
+    family = get_family(meta["family"])
     root = _fresh_output(output)
-    return get_family(meta["family"]).export_hf(checkpoint, root)
+    out = family.export_hf(checkpoint, root)
+    progress(export_tokenizer(checkpoint, meta, out, family.control_symbols))
+    return out
