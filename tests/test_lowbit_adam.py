@@ -39,6 +39,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def assert_same_bits(params_a, opt_a, params_b, opt_b) -> None:
+    """Every weight, scale and optimizer state of two optimizers' parameters, bit for bit."""
+    for a, b in zip(params_a, params_b, strict=True):
+        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(getattr(a, "scale_inv", a), getattr(b, "scale_inv", b))
+        for key, t in opt_a.state[a].items():
+            assert torch.equal(bits(opt_b.state[b][key]), bits(t))
+
+
 def ulp(data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """Spacing of the format around each stored element, in real units (float64)."""
     fi = torch.finfo(data.dtype)
@@ -324,11 +333,7 @@ def test_state_dict_round_trip_through_safetensors():
         random_grads(restored_params, grads_gen[1])
         opt.step()
         opt2.step()
-    for a, b in zip(params, restored_params):
-        assert torch.equal(bits(a), bits(b))
-        assert torch.equal(getattr(a, "scale_inv", a), getattr(b, "scale_inv", b))
-        for key, t in opt.state[a].items():
-            assert torch.equal(bits(opt2.state[b][key]), bits(t))
+    assert_same_bits(params, opt, restored_params, opt2)
 
 
 class _CountHostSyncs(TorchDispatchMode):
@@ -417,11 +422,7 @@ def test_chunked_update_is_bit_identical(chunk):
         random_grads(chunked, gens[1])
         whole_opt.step()
         chunked_opt.step()
-    for a, b in zip(params, chunked):
-        assert torch.equal(bits(a), bits(b))
-        assert torch.equal(getattr(a, "scale_inv", a), getattr(b, "scale_inv", b))
-        for key, t in whole_opt.state[a].items():
-            assert torch.equal(bits(chunked_opt.state[b][key]), bits(t))
+    assert_same_bits(params, whole_opt, chunked, chunked_opt)
 
 
 def test_chunk_elements_must_be_positive():

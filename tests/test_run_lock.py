@@ -92,8 +92,10 @@ def _wait_until(condition, seconds: float, what: str, proc=None) -> None:
         time.sleep(0.05)
 
 
-def _kill_leftovers(workers: dict[int, tuple[int, int]]) -> None:
-    """A failed test must not leave workers training on a shared machine."""
+def _stop(launcher: subprocess.Popen, workers: dict[int, tuple[int, int]]) -> None:
+    """A failed test must not leave its launcher or workers training on a shared machine."""
+    if launcher.poll() is None:
+        launcher.kill()
     for pid, start in workers.values():
         if _alive(pid, start):
             os.kill(pid, signal.SIGKILL)
@@ -145,9 +147,7 @@ def test_second_job_refused_and_a_killed_launcher_leaves_no_worker(tiny_data, tm
         for pid, start in workers.values():
             _wait_until(lambda p=pid, s=start: not _alive(p, s), 60, f"exit of worker {pid}")
     finally:
-        if first.poll() is None:
-            first.kill()
-        _kill_leftovers(workers)
+        _stop(first, workers)
     saved = [
         x
         for x in out.splitlines()
@@ -188,9 +188,7 @@ def test_launcher_killed_while_workers_start(tiny_data, tmp_path):
         for pid, start in workers.values():
             _wait_until(lambda p=pid, s=start: not _alive(p, s), 120, f"exit of worker {pid}")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        _kill_leftovers(workers)
+        _stop(proc, workers)
         proc.stderr.close()
     assert not (tmp_path / "checkpoints" / "latest").exists()
 
