@@ -37,7 +37,6 @@ from the numbers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -441,18 +440,16 @@ def main() -> None:
     print(text)
     print(f"\n({elapsed:.0f} s)")
     if args.write:
-        command = " ".join([".venv/bin/python tools/bench_data_parallel.py", *sys.argv[1:]])
-        shared = ": other jobs were using the cores" if max(load, load_after) > 1 else ""
+        opening = bench_docs.measured_with(
+            "tools/bench_data_parallel.py", sys.argv[1:], elapsed, load, load_after
+        )
         rounds = (
             f", every configuration measured {args.rounds} times in alternating order"
             if args.rounds > 1
             else ""
         )
         body = (
-            f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, with `{command}` ({elapsed:.0f} s; 1-minute load "
-            f"average {load:.1f} before the run and {load_after:.1f} after it{shared}): "
-            f"{args.dp} gloo processes on this machine, data parallelism {args.dp}, "
+            f"{opening}: {args.dp} gloo processes on this machine, data parallelism {args.dp}, "
             f"`{CONFIG}`'s model with {args.layers} layers, {args.micro_batches} micro-batches "
             f"of {args.micro_batch_size} sequences per rank per step, {_steps(args.warmup)} "
             f"untimed then {_steps(args.steps)} timed{rounds}. Bytes per parameter: model "

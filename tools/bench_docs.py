@@ -7,9 +7,27 @@ stays as people wrote it.
 
 from __future__ import annotations
 
+import datetime
+import os
 from pathlib import Path
 
-__all__ = ["markers", "write_section"]
+__all__ = ["markers", "measured_with", "write_section"]
+
+
+def measured_with(
+    script: str, argv: list[str], elapsed: float, load_before: float, load_after: float
+) -> str:
+    """The opening of a CPU benchmark's text: date, cores, torch, the exact command, how long
+    it ran and the machine's load around it (above 1: other jobs shared the cores)."""
+    import torch
+
+    command = " ".join([f".venv/bin/python {script}", *argv])
+    shared = ": other jobs were using the cores" if max(load_before, load_after) > 1 else ""
+    return (
+        f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}, with `{command}` ({elapsed:.0f} s; 1-minute load "
+        f"average {load_before:.1f} before the run and {load_after:.1f} after it{shared})"
+    )
 
 
 def markers(tag: str) -> tuple[str, str]:

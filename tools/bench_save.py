@@ -33,7 +33,6 @@ tool's markers in the benchmarks document.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import socket
@@ -254,14 +253,13 @@ def main() -> None:
     print(result)
     print(f"\n({elapsed:.0f} s; {megabytes:.1f} MB per checkpoint)")
     if args.write:
-        command = " ".join([".venv/bin/python tools/bench_save.py", *sys.argv[1:]])
-        shared = ": other jobs were using the cores" if max(load, load_after) > 1 else ""
+        opening = bench_docs.measured_with(
+            "tools/bench_save.py", sys.argv[1:], elapsed, load, load_after
+        )
         body = (
-            f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, with `{command}` ({elapsed:.0f} s; 1-minute load "
-            f"average {load:.1f} before the run and {load_after:.1f} after it{shared}): "
-            f"{args.world} gloo processes training `{CONFIG}`'s model ({args.layers} layers, "
-            f"level {args.level}, {megabytes:.1f} MB per checkpoint on the local disk, files "
+            f"{opening}: {args.world} gloo processes training `{CONFIG}`'s model "
+            f"({args.layers} layers, level {args.level}, {megabytes:.1f} MB per checkpoint on "
+            "the local disk, files "
             f"fsynced), a save every {args.interval} steps, {args.saves} saves per block, "
             f"{args.rounds} blocks of each mode in alternating order on the same model in "
             "the same processes. Per step the slowest rank; 'clean' steps are neither save "
