@@ -7,11 +7,11 @@ level (``other_params``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["LEVELS", "PrecisionRecipe", "get_recipe"]
+__all__ = ["LEVELS", "PARAM_DTYPES", "PrecisionRecipe", "get_recipe"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ class PrecisionRecipe:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """Dtype the model's parameters live in during forward/backward."""
-        return torch.bfloat16 if self.level == "bf16" else torch.float32
+        """Dtype of the parameters that are not in low-bit storage (embeddings, norms, biases;
+        te's linear weights), and so of the activations between the GEMMs."""
+        return torch.bfloat16 if self.other_params == "bf16" else torch.float32
 
     @property
     def adam_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
@@ -56,7 +57,8 @@ class PrecisionRecipe:
 
     @property
     def has_fp32_master(self) -> bool:
-        return self.master_weight == "fp32"
+        """BF16 parameters are stepped through FP32 master copies (the optimizer's)."""
+        return self.other_params == "bf16"
 
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -80,11 +82,33 @@ LEVELS: dict[str, PrecisionRecipe] = {
 }
 
 
-def get_recipe(level: str) -> PrecisionRecipe:
-    """The recipe of ``level``; unknown names fail with the list of known ones."""
+# ``precision.param_dtype``: the level's own ("auto"), or BF16 with FP32 masters for what the
+# FP8 levels keep in higher precision (Transformer Engine's usual setup: a BF16 model whose
+# GEMMs run in FP8), so the activations between the GEMMs are BF16 too.
+PARAM_DTYPES = ("auto", "fp32", "bf16")
+_FP8_LEVELS = ("te", "O1", "O2", "O3")
+
+
+def get_recipe(level: str, param_dtype: str = "auto") -> PrecisionRecipe:
+    """The recipe of ``level`` with its higher-precision parameters in ``param_dtype``;
+    unknown names and combinations fail naming the keys."""
     try:
-        return LEVELS[level]
+        recipe = LEVELS[level]
     except KeyError:
         raise ValueError(
             f"precision.level={level!r} is not a level; choose one of {', '.join(LEVELS)}"
         ) from None
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(
+            f"precision.param_dtype={param_dtype!r}: choose one of {', '.join(PARAM_DTYPES)}"
+        )
+    if param_dtype == "auto" or param_dtype == recipe.other_params:
+        return recipe
+    if param_dtype == "bf16" and level in _FP8_LEVELS:
+        if recipe.weight == "fp32":  # te: the linear weights are BF16 with FP32 masters too
+            return replace(recipe, weight="bf16", master_weight="fp32", other_params="bf16")
+        return replace(recipe, other_params="bf16")  # O1-O3: low-bit weights stay as they are
+    raise ValueError(
+        f"precision.param_dtype={param_dtype} does not combine with precision.level={level} "
+        f"(bf16 applies to {', '.join(_FP8_LEVELS)}; level bf16 is BF16 already)"
+    )

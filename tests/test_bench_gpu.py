@@ -44,7 +44,8 @@ def _torchao_row(row: dict, table: str) -> bool:
 def test_levels_rows(tmp_path, capsys):
     argv = ["levels", "--size", "tiny", "--steps", "2", "--warmup", "1", "--in-process"]
     rows, table = _run(tmp_path, capsys, *argv)
-    assert [r["name"] for r in rows] == [f"fp8train {lv}" for lv in bench_gpu.LEVELS] + BASELINES
+    project = [f"fp8train {lv}" for lv in bench_gpu.DEFAULT_LEVELS]
+    assert [r["name"] for r in rows] == project + BASELINES
     assert (
         "Synthetic tokens" in table and "torch " in table and "tools/bench_gpu.py levels" in table
     )

@@ -109,6 +109,9 @@ RUNS = {
     "single": (1, {}, ("fp32", "O2", "O3"), ()),
     "dp2": (2, {}, ("fp32", "O2"), ()),
     "dp2_dist": (2, DIST, ("fp32", "O2"), ()),
+    # BF16 parameters with FP32 masters beside O3's FP8 weights and FP16 masters.
+    "dp2_bf16": (2, {}, ("O3:bf16",), ()),
+    "dp2_dist_bf16": (2, DIST, ("O3:bf16",), ()),
     "tp2": (2, TP2, ("fp32", "O2"), ()),  # the DP=1 run of the TP2 x DP2 layouts
     "dp4": (4, {}, ("fp32", "O2", "O3"), ()),
     "dp4_dist": (4, DIST, ("fp32", "O2", "O3"), ()),
@@ -137,7 +140,8 @@ REFERENCE = {
     "pp2_dp2": "single",
     "pp2_dp2_dist": "single",
 }
-PLAIN = {"dp2_dist": "dp2", "dp4_dist": "dp4", "tp2_dp2_dist": "tp2_dp2", "pp2_dp2_dist": "pp2_dp2"}
+PLAIN = {"dp2_dist": "dp2", "dp4_dist": "dp4", "tp2_dp2_dist": "tp2_dp2", "pp2_dp2_dist": "pp2_dp2",
+         "dp2_dist_bf16": "dp2_bf16"}  # fmt: skip
 
 
 def _instrument_launches(state, events: list) -> None:

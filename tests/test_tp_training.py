@@ -58,6 +58,8 @@ def _single(tiny_data, run_dir, level, **extra):
         ("fp32", 1e-5, 2, True),
         ("O2", 2e-3, 2, True),
         ("bf16", 2e-2, 2, True),
+        ("te:bf16", 2e-2, 2, True),  # BF16 activations: bf16's bar
+        ("O2:bf16", 2e-2, 2, False),
         ("fp16", 1e-3, 2, True),
         ("fp32", 1e-5, 4, True),
     ],

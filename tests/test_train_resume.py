@@ -28,7 +28,7 @@ def _train(data, run_dir, level, **extra):
     return pretrain(cfg)
 
 
-@pytest.mark.parametrize("level", ["te", "bf16", "fp16", "O1", "O2", "O3"])
+@pytest.mark.parametrize("level", ["te", "bf16", "fp16", "O1", "O2", "O3", "te:bf16", "O3:bf16"])
 def test_resume_gives_identical_losses(tiny_data, tmp_path, level):
     straight = tmp_path / "straight"
     _train(tiny_data, straight, level)

@@ -57,10 +57,7 @@ def audit_level(cfg, level: str, steps: int = 1):
             loss = model(tokens, labels=tokens).float().mean()
         loss.backward()
         opt.step()
-    masters = {}
-    if opt.use_master:
-        masters = {id(p): m for p, m in zip(opt.model_params, opt.master_params)}
-    rows = audit_precision(model, opt.optimizer, recipe, master_of=masters)
+    rows = audit_precision(model, opt.optimizer, recipe, master_of=opt.masters)
     return rows, model_state_bytes(model, opt)
 
 

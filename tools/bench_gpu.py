@@ -56,9 +56,12 @@ from tools.bench_gpu_linear import linear_rows  # noqa: E402
 from tools.bench_gpu_max_size import search_level  # noqa: E402
 from tools.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
 
-__all__ = ["BASELINES", "LEVELS", "main", "saved_report"]
+__all__ = ["BASELINES", "DEFAULT_LEVELS", "LEVELS", "main", "saved_report"]
 
-LEVELS = ("bf16", "te", "O1", "O2", "O3")
+# "level:bf16" = the level with precision.param_dtype=bf16 (BF16 activations between the FP8
+# GEMMs, as Transformer Engine runs them); the plain FP8 levels keep FP32 there.
+LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O1:bf16", "O2:bf16", "O3:bf16")
+DEFAULT_LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O2:bf16")
 BASELINES = ("plain", "torchao-tensorwise", "torchao-rowwise")
 
 
@@ -221,7 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     lv.add_argument("--warmup", type=int, default=3)
     lv.add_argument("--micro-batch", type=int, help="default: the shape's")
     lv.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    lv.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    lv.add_argument("--levels", nargs="+", choices=LEVELS, default=list(DEFAULT_LEVELS))
     lv.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
 
     li = sub.add_parser("linear", parents=[common], help="FP8 linear micro-benchmark")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from fp8train.precision import get_recipe
 from models.context import BuildContext
 from parallel.pipeline import PipelineLayout
 from tools.bench_gpu_rows import FAMILY, model_config, run_config, run_row
@@ -21,7 +20,7 @@ def parameter_count(spec: dict) -> int:
 
     def built(layers: int) -> int:
         cfg = run_config({**spec, "layers": layers})
-        ctx = BuildContext(get_recipe(cfg.precision.level), device="meta")
+        ctx = BuildContext(cfg.precision.recipe(), device="meta")
         model = FAMILY.build_model(model_config(cfg), ctx, PipelineLayout(layers))
         return sum(p.numel() for p in model.parameters())
 

@@ -137,6 +137,8 @@ def run_config(spec: dict):
     """The run's Config: configs/gpt_1.3b.yaml with the shape, level and batch of ``spec``."""
     shape = SHAPES[spec["size"]]
     micro = spec.get("micro_batch") or shape.micro_batch
+    # "te:bf16": the level with precision.param_dtype=bf16 (BF16 parameters, FP32 masters).
+    level, _, param_dtype = (spec.get("level") or "bf16").partition(":")
     values = {
         "model.num_layers": spec.get("layers") or shape.layers,
         "model.hidden_size": shape.hidden,
@@ -148,7 +150,8 @@ def run_config(spec: dict):
         "training.global_batch_size": micro,  # one micro-batch per step: no accumulation
         "training.train_iters": spec["warmup"] + spec["steps"],
         "optimizer.lr_warmup_iters": 0,
-        "precision.level": spec.get("level") or "bf16",
+        "precision.level": level,
+        "precision.param_dtype": param_dtype or "auto",
         "precision.fp8_gemm_backend": spec.get("fp8_backend") or "emulated",
     }
     overrides = [f"{k}={v}" for k, v in values.items()]

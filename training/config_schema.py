@@ -147,6 +147,13 @@ class PrecisionConfig(_Section):
         "GEMMs only); O1 (+FP8 weight grads and comm, FP16 weights); O2 (+FP8/FP16 Adam "
         "moments); O3 (+FP8 weights, FP16 master sharded by the distributed optimizer).",
     )
+    param_dtype: Literal["auto", "fp32", "bf16"] = _f(
+        "auto",
+        "Parameters the level keeps in higher precision (embeddings, norms, biases; te's "
+        "linear weights), and so the activations between the GEMMs: auto = the level's own "
+        "(BF16 at bf16, else FP32); bf16 at te and O1-O3 = BF16 with FP32 masters, as "
+        "Transformer Engine runs FP8 (BF16 attention and elementwise work: faster on GPUs).",
+    )
     fp8_recipe: Literal["delayed", "current"] = _f(
         "delayed", "FP8 scaling: delayed (amax history) or current (per-tensor amax now)."
     )
@@ -172,6 +179,16 @@ class PrecisionConfig(_Section):
                     f"precision.{high}_loss_scale ({hi!r}) must be >= "
                     f"precision.{low}_loss_scale ({lo!r})"
                 )
+        try:  # the combination rule lives with the recipes
+            self.recipe()
+        except ValueError as err:
+            raise self._err(str(err)) from None
+
+    def recipe(self):
+        """This section's row of the precision table (``fp8train.precision``)."""
+        from fp8train.precision import get_recipe
+
+        return get_recipe(self.level, self.param_dtype)
 
 
 @dataclass(frozen=True)

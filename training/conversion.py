@@ -28,7 +28,6 @@ import torch
 
 from families.base import ModelFamily, family_for_hf_directory, get_family
 from fp8train.convert import apply_level_storage
-from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.gpt import pad_vocab_size
 from parallel.pipeline.layout import PipelineLayout
@@ -100,7 +99,7 @@ def plan_slice(
 ) -> torch.nn.Module:
     """Model slice (``tp_rank``, ``pp_rank``) of ``layout`` for ``cfg``'s level, on the meta
     device: its names, shapes, dtypes and layouts, no storage."""
-    recipe = get_recipe(cfg.precision.level)
+    recipe = cfg.precision.recipe()
     group = PlannedGroup(layout.tensor, tp_rank) if layout.tensor > 1 else None
     ctx = BuildContext(
         recipe,
@@ -176,7 +175,7 @@ def convert_native(
     new_meta, cfg = _target_metadata(meta, family, layout)
     model_config = family.config_from_checkpoint(new_meta)
     weights_only = bool(meta.get("weights_only"))
-    recipe = get_recipe(cfg.precision.level)
+    recipe = cfg.precision.recipe()
     root = _fresh_output(output)
     name = f"iter_{meta['iteration']:07d}"
     tmp, final = root / f".tmp_{name}", root / name

@@ -99,12 +99,14 @@ class TrainOptimizer:
         self.gather = ParamGather(self.model_params, owners, group, meter) if owners else None
 
         self.step_params = [p for p, own in zip(self.model_params, self.owned) if own]
-        self.use_master = recipe.has_fp32_master
-        if self.use_master:  # FP32 masters of the BF16 parameters (owned ones only)
-            self.master_params = [p.detach().float().clone() for p in self.step_params]
-            opt_params = self.master_params
-        else:
-            opt_params = self.step_params
+        # FP32 masters of the BF16 parameters this rank steps: every parameter at bf16; at an
+        # FP8 level with param_dtype=bf16 all but the low-bit linear weights (LowBitAdamW
+        # keeps theirs). The optimizer steps the master in place of its parameter.
+        self.masters = {
+            id(p): p.detach().float().clone() for p in self.step_params if p.dtype == torch.bfloat16
+        }
+        self.master_params = list(self.masters.values())
+        opt_params = [self.masters.get(id(p), p) for p in self.step_params]
         decay, no_decay = [], []
         for model_p, opt_p in zip(self.step_params, opt_params):
             (no_decay if _no_weight_decay(names[id(model_p)], model_p) else decay).append(opt_p)
@@ -194,7 +196,7 @@ class TrainOptimizer:
         if k is None:
             return 0, 0
         param = self.step_params[k]
-        master = self.master_params[k] if self.use_master else None
+        master = self.masters.get(id(param))
         state = self.optimizer.state.get(master if master is not None else param, {})
         master_bytes = master.nbytes if master is not None else 0
         other = 0
@@ -207,21 +209,18 @@ class TrainOptimizer:
         return master_bytes, other
 
     def step(self) -> None:
+        # AdamW reads .grad: the FP32 main_grad (a view, no copy) on the master where there is
+        # one, else on the parameter; FP8 gradient slots are read by LowBitAdamW itself.
         hp = [p for p in self.step_params if not self._is_slot(p)]
-        if self.use_master:
-            for master, p in zip(self.master_params, self.step_params):
-                master.grad = p.main_grad
-            self.optimizer.step()
-            with torch.no_grad():
-                for master, p in zip(self.master_params, self.step_params):
+        for p in hp:
+            self.masters.get(id(p), p).grad = p.main_grad
+        self.optimizer.step()
+        with torch.no_grad():
+            for p in hp:
+                master = self.masters.get(id(p))
+                if master is not None:
                     p.copy_(master)
-                    master.grad = None
-        else:
-            for p in hp:
-                p.grad = p.main_grad  # AdamW reads .grad; a view, no copy
-            self.optimizer.step()
-            for p in hp:
-                p.grad = None
+                self.masters.get(id(p), p).grad = None
         if self.gather is not None:
             self.gather.gather()
 
@@ -233,18 +232,17 @@ class TrainOptimizer:
             name = self._names[id(param)]
             for key, value in slots.items():
                 out[f"{name}:{key}"] = torch.as_tensor(value).clone()
-        if self.use_master:
-            for master in self.master_params:
-                out[f"{self._names[id(master)]}:master"] = master.detach()
+        for master in self.master_params:
+            out[f"{self._names[id(master)]}:master"] = master.detach()
         return out
 
     @torch.no_grad()
     def reset_masters(self) -> None:
         """FP32 masters from the current weights (after the weights were replaced, e.g. by a
         fine-tune's load); lazily made state (O3's FP16 masters) needs nothing."""
-        if self.use_master:
-            for master, p in zip(self.master_params, self.step_params):
-                master.copy_(p.detach().float())
+        for p in self.step_params:
+            if id(p) in self.masters:
+                self.masters[id(p)].copy_(p.detach().float())
 
     def stepped_names(self) -> list[str]:
         """Names of the parameters this rank's optimizer steps (all of its slice's, or with
@@ -256,7 +254,7 @@ class TrainOptimizer:
         state_dict = self.optimizer.state_dict()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {self._names[id(p)]: i for i, p in enumerate(params)}
-        masters = {self._names[id(m)]: m for m in self.master_params} if self.use_master else {}
+        masters = {self._names[id(m)]: m for m in self.master_params}
         restored: dict[int, dict[str, torch.Tensor]] = {}
         for full_name, value in tensors.items():
             name, _, key = full_name.partition(":")

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from fp8train.precision import get_recipe
 from training.checkpointing import (
     CheckpointError,
     check_format,
@@ -88,10 +89,20 @@ def check_compatible(
     for key, value, before in pairs:
         if value != before:
             raise ConfigError(f"config: model.{key}={value!r} but checkpoint {path} has {before!r}")
-    old_level = saved["config"]["precision"]["level"]
-    if old_level != cfg.precision.level and not weights_only:
+    if weights_only:
+        return
+    saved_precision = saved["config"]["precision"]
+    old_level = saved_precision["level"]
+    if old_level != cfg.precision.level:
         raise ConfigError(
             f"config: precision.level={cfg.precision.level} but checkpoint {path} has "
             f"{old_level}; take only its weights with checkpoint.finetune=true (the optimizer "
             "state of one level does not convert to another's)"
+        )
+    old_dtype = saved_precision.get("param_dtype", "auto")  # older checkpoints: the level's
+    if get_recipe(old_level, old_dtype) != cfg.precision.recipe():
+        raise ConfigError(
+            f"config: precision.param_dtype={cfg.precision.param_dtype} but checkpoint {path} "
+            f"has {old_dtype}; take only its weights with checkpoint.finetune=true (FP32 "
+            "masters exist for BF16 parameters only)"
         )

@@ -17,7 +17,7 @@ from families import ModelFamily, get_family
 from fp8train import gemm
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from fp8train.precision import PrecisionRecipe, get_recipe
+from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
 from models.base import ParallelModel
 from models.context import BuildContext
@@ -166,7 +166,7 @@ def build_run(
     of the checkpoint the run resumes from (its padded vocabulary is kept, see
     ``_keep_padded_vocab``)."""
     fam = get_family(cfg.family)
-    recipe = get_recipe(cfg.precision.level)
+    recipe = cfg.precision.recipe()
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
