@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_levels.py --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
     .venv/bin/python tools/bench_levels.py --model roberta --config configs/roberta_tiny.yaml ...
+    .venv/bin/python tools/bench_levels.py --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
@@ -40,6 +41,8 @@ def run_level(
     level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False, model="gpt"
 ):
     run_dir = out / level
+    # "te:bf16": the level with precision.param_dtype=bf16.
+    name, _, param_dtype = level.partition(":")
     cmd = [
         sys.executable,
         "-m",
@@ -50,7 +53,8 @@ def run_level(
         f"pretrain_{model}.py",
         "--config",
         config,
-        f"precision.level={level}",
+        f"precision.level={name}",
+        *([f"precision.param_dtype={param_dtype}"] if param_dtype else []),
         f"training.train_iters={iters}",
         f"logging.dir={run_dir}",
         "checkpoint.resume=false",
