@@ -154,6 +154,9 @@ class RobertaFamily(ModelFamily):
     # Megatron's BERT names "lm loss" and "sop loss"; the sop pair only with the binary head.
     metric_names = ("lm loss", "mlm accuracy", "sop loss", "sop accuracy")
     perplexity_metrics = ("lm loss",)
+    # Masked-LM data needs a <mask> piece: the default corpus's tokenizer is trained with it
+    # (a cache of its own, apart from GPT's).
+    control_symbols = ("<mask>",)
 
     def run_metrics(self, cfg) -> tuple[str, ...]:
         if cfg.model.add_binary_head:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from transformers import AutoTokenizer
 
 from data.corpus import iter_texts, stdlib_documents
@@ -58,12 +59,34 @@ def test_a_prefix_runs_sentencepiece_model_exports_with_the_same_ids(tiny_data, 
     assert theirs.eos_token_id == ours.eod and theirs.bos_token_id == ours.bos
 
 
+def test_roberta_runs_on_the_default_corpus_get_the_mask_cache(default_mask_data, tmp_path):
+    """The RoBERTa family asks for the default corpus with its <mask> symbol (a cache apart
+    from GPT's): its pre-flight finds the cache built with <mask> and its data has one."""
+    from families import get_family
+    from training.config import load_config
+
+    cache, prepared = default_mask_data
+    family = get_family("roberta")
+    assert family.control_symbols == ("<mask>",) and get_family("gpt").control_symbols == ()
+    cfg = load_config(
+        str(REPO / "configs/roberta_tiny.yaml"),
+        [f"data.cache_dir={cache}", "data.vocab_size=512", f"logging.dir={tmp_path}"],
+        "roberta",
+    )
+    assert family.preflight(cfg) is not None  # found in the cache: nothing to build
+    data = family.prepare_data(cfg, 0)
+    assert data.tokenizer.mask >= 0
+    assert Path(data.tokenizer.model_path) == Path(prepared.tokenizer_model)
+
+
 def test_the_default_corpus_is_found_in_its_cache_with_the_family_symbols(
     default_mask_data, tmp_path, texts
 ):
+    from families import get_family
+
     cache, prepared = default_mask_data
     meta = _metadata({"corpus": "stdlib", "cache_dir": str(cache), "vocab_size": 512})
-    found = run_tokenizer(tmp_path, meta, ("<mask>",))
+    found = run_tokenizer(tmp_path, meta, get_family("roberta").control_symbols)
     assert found == ("sentencepiece", Path(prepared.tokenizer_model))
     assert run_tokenizer(tmp_path, meta) is None  # GPT's key (no <mask>): not built here
     line = export_tokenizer(tmp_path, meta, tmp_path / "hf", ("<mask>",))
