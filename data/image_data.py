@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from PIL import Image
 
+from data.progress import Progress
 from data.seeded import keyed_rng
 
 if TYPE_CHECKING:
@@ -300,26 +300,6 @@ def _checked_image(source: ImageSource, i: int) -> np.ndarray:
     return np.ascontiguousarray(img)
 
 
-class _Progress:
-    """A one-line bar on stderr, redrawn with a carriage return every 1% of the images."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.drawn = total, enabled, False
-        self.every = max(1, total // 100)
-
-    def update(self, done: int) -> None:
-        if self.enabled and (done % self.every == 0 or done == self.total):
-            pct = 100 * done // self.total
-            sys.stderr.write(f"\rpacking images: {done}/{self.total} ({pct}%)")
-            sys.stderr.flush()
-            self.drawn = True
-
-    def close(self) -> None:
-        if self.drawn:  # also after an error: its message then starts on a line of its own
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def _write_synced(path: str, write: Any) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -331,7 +311,7 @@ def _write_pixels(source: ImageSource, path: str, progress: bool) -> np.ndarray:
     """Every image's pixels back to back into ``path``; returns the [N, 4] index."""
     n = len(source)
     index = np.empty((n, 4), dtype=np.int64)
-    bar = _Progress(n, progress)
+    bar = Progress("packing images", n, unit="images") if progress else None
 
     def write(f: Any) -> None:
         offset = 0
@@ -340,12 +320,14 @@ def _write_pixels(source: ImageSource, path: str, progress: bool) -> np.ndarray:
             f.write(img.data)
             index[i] = (offset, *img.shape)
             offset += img.size
-            bar.update(i + 1)
+            if bar is not None:
+                bar.update(1, img.nbytes)
 
     try:
         _write_synced(path, write)
     finally:
-        bar.close()
+        if bar is not None:  # also after an error: its message then starts on a line of its own
+            bar.close()
     return index
 
 

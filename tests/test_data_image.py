@@ -129,7 +129,7 @@ def test_folder_source_errors_name_the_path(tmp_path, tree):
 def test_packed_round_trip_is_bit_identical(tmp_path, tree, capsys):
     src = folder_source(tree[0], channels=1)
     meta = write_packed(src, tmp_path / "set", progress=True)
-    assert "packing images: 202/202 (100%)" in capsys.readouterr().err
+    assert "packing images: 202/202 images (100%)" in capsys.readouterr().err
     packed = packed_source(tmp_path / "set")
     assert meta["count"] == len(packed) == len(src) and meta["bytes"] == 64 * len(src)
     assert packed.classes == src.classes and packed.channels == 1
@@ -372,7 +372,7 @@ def test_cli_packs_a_folder(tmp_path, tree):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines == [f"output_prefix: {prefix} images: 202 classes: 10 channels: 1 bytes: 12928"]
-    assert "packing images: 202/202 (100%)" in proc.stderr
+    assert "packing images: 202/202 images (100%)" in proc.stderr
     meta = json.loads(prefix.with_suffix(".json").read_text())
     assert meta["count"] == 202 and meta["source"] == f"image folder {tree[0]}"
     assert len(packed_source(prefix)) == 202

@@ -151,6 +151,7 @@ def checkpoint_tokenizer(checkpoint: str | Path):
     from data.tokenizer import SentencePieceTokenizer, load_tokenizer
     from training.checkpointing import read_metadata, resolve_checkpoint
     from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
+    from training.tokenizer_files import run_cache_dir
 
     path = Path(checkpoint)
     if (path / "config.json").is_file():  # a Hugging Face directory
@@ -174,9 +175,7 @@ def checkpoint_tokenizer(checkpoint: str | Path):
         # A cache hit returns the run's tokenizer; a miss retrains the same one (same corpus,
         # vocabulary size and seed), which takes a while.
         seed = config.get("training", {}).get("seed", 1234)
-        cache_dir = Path(data["cache_dir"])
-        if not cache_dir.is_absolute() and not cache_dir.exists() and (REPO / cache_dir).exists():
-            cache_dir = REPO / cache_dir  # relative to the checkout the run started in
+        cache_dir = run_cache_dir(data["cache_dir"])
         prepared = prepare_default_data(cache_dir, data["vocab_size"], seed=seed)
         tokenizer = SentencePieceTokenizer(prepared.tokenizer_model)
     elif data.get("tokenizer_model"):

@@ -105,7 +105,6 @@ class TrainOptimizer:
         self.masters = {
             id(p): p.detach().float().clone() for p in self.step_params if p.dtype == torch.bfloat16
         }
-        self.master_params = list(self.masters.values())
         opt_params = [self.masters.get(id(p), p) for p in self.step_params]
         decay, no_decay = [], []
         for model_p, opt_p in zip(self.step_params, opt_params):
@@ -188,6 +187,11 @@ class TrainOptimizer:
         for p in self.model_params:
             p.grad = None
         self.buffers.zero_()
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """The FP32 masters, in the order of the parameters they belong to."""
+        return list(self.masters.values())
 
     def param_state_bytes(self, index: int) -> tuple[int, int]:
         """(master bytes, optimizer-state bytes) held on this rank for model parameter

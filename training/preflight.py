@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from data.paths import directory_problem
+from data.paths import check_directory
 from families import get_family
 from parallel.topology import TopologyError
 from training.checkpointing import CheckpointError
@@ -44,9 +44,10 @@ def _check_directories(cfg: Config) -> None:
         ("logging.dir", cfg.logging.dir),
         (checkpoint_key, cfg.resolved_checkpoint_dir()),
     ):
-        problem = directory_problem(path)
-        if problem:
-            raise ConfigError(f"config: {key}={path} cannot be created or written: {problem}")
+        try:
+            check_directory(key, path)
+        except ValueError as err:
+            raise ConfigError(f"config: {err}") from None
     # A live job on the directory: say so before reading its checkpoints (it may be
     # pruning the one its latest named a moment ago).
     held = run_lock_problem(cfg.resolved_checkpoint_dir())

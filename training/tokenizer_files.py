@@ -30,6 +30,7 @@ __all__ = [
     "HF_TOKENIZER_FILES",
     "copy_tokenizer_files",
     "export_tokenizer",
+    "run_cache_dir",
     "run_tokenizer",
 ]
 
@@ -84,7 +85,7 @@ def run_tokenizer(checkpoint: Path, metadata: dict, control_symbols=()) -> tuple
     data = metadata.get("config", {}).get("data") or {}
     if data.get("corpus") == "stdlib" and "vocab_size" in data:
         seed = metadata["config"].get("training", {}).get("seed", 1234)
-        cache = _cache_dir(data["cache_dir"])
+        cache = run_cache_dir(data["cache_dir"])
         prepared = find_default_data(cache, data["vocab_size"], seed, control_symbols)
         return None if prepared is None else ("sentencepiece", Path(prepared.tokenizer_model))
     path = data.get("tokenizer_model")
@@ -93,7 +94,7 @@ def run_tokenizer(checkpoint: Path, metadata: dict, control_symbols=()) -> tuple
     return None
 
 
-def _cache_dir(path: str) -> Path:
+def run_cache_dir(path: str) -> Path:
     """A run's ``data.cache_dir``: relative ones are relative to where the run started, the
     checkout (``make train``) unless that path exists from here."""
     cache = Path(path)
