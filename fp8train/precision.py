@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["LEVELS", "PARAM_DTYPES", "PrecisionRecipe", "get_recipe"]
+__all__ = ["LEVELS", "PARAM_DTYPES", "PrecisionRecipe", "get_recipe", "split_level"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,13 @@ LEVELS: dict[str, PrecisionRecipe] = {
 # GEMMs run in FP8), so the activations between the GEMMs are BF16 too.
 PARAM_DTYPES = ("auto", "fp32", "bf16")
 _FP8_LEVELS = ("te", "O1", "O2", "O3")
+
+
+def split_level(spec: str) -> tuple[str, str]:
+    """``"te:bf16"`` -> ``("te", "bf16")``, ``"te"`` -> ``("te", "auto")``: the short form the
+    benchmark tools and tests take for ``precision.level`` plus ``precision.param_dtype``."""
+    level, _, param_dtype = spec.partition(":")
+    return level, param_dtype or "auto"
 
 
 def get_recipe(level: str, param_dtype: str = "auto") -> PrecisionRecipe:

@@ -35,7 +35,9 @@ def tiny_overrides(data, run_dir, level="te", **extra) -> list[str]:
     """Overrides that shrink configs/gpt_tiny.yaml to a seconds-long job on ``data``.
     ``level``: a precision level, or ``level:dtype`` for ``precision.param_dtype`` too
     ("te:bf16": FP8 GEMMs on BF16 parameters with FP32 masters)."""
-    level, _, param_dtype = level.partition(":")
+    from fp8train.precision import split_level
+
+    level, param_dtype = split_level(level)
     values = {
         "model.num_layers": 2,
         "model.hidden_size": 64,
@@ -59,7 +61,7 @@ def tiny_overrides(data, run_dir, level="te", **extra) -> list[str]:
         # a test compares; the two agree only to FP32 rounding, so tests pin one.
         "precision.fp8_gemm_backend": "emulated",
     }
-    if param_dtype:
+    if param_dtype != "auto":
         values["precision.param_dtype"] = param_dtype
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]

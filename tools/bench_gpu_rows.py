@@ -30,6 +30,7 @@ from families import register_family
 from families.gpt import GPTFamily, GPTModelSection
 from fp8train import device as devices
 from fp8train import gemm
+from fp8train.precision import split_level
 from training.config import load_config
 from training.loop import train_step
 from training.setup import build_run
@@ -138,7 +139,7 @@ def run_config(spec: dict):
     shape = SHAPES[spec["size"]]
     micro = spec.get("micro_batch") or shape.micro_batch
     # "te:bf16": the level with precision.param_dtype=bf16 (BF16 parameters, FP32 masters).
-    level, _, param_dtype = (spec.get("level") or "bf16").partition(":")
+    level, param_dtype = split_level(spec.get("level") or "bf16")
     values = {
         "model.num_layers": spec.get("layers") or shape.layers,
         "model.hidden_size": shape.hidden,
@@ -151,7 +152,7 @@ def run_config(spec: dict):
         "training.train_iters": spec["warmup"] + spec["steps"],
         "optimizer.lr_warmup_iters": 0,
         "precision.level": level,
-        "precision.param_dtype": param_dtype or "auto",
+        "precision.param_dtype": param_dtype,
         "precision.fp8_gemm_backend": spec.get("fp8_backend") or "emulated",
     }
     overrides = [f"{k}={v}" for k, v in values.items()]

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from fp8train.precision import split_level  # noqa: E402
 from tools import bench_docs  # noqa: E402
 
 
@@ -41,8 +42,7 @@ def run_level(
     level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False, model="gpt"
 ):
     run_dir = out / level
-    # "te:bf16": the level with precision.param_dtype=bf16.
-    name, _, param_dtype = level.partition(":")
+    name, param_dtype = split_level(level)  # "te:bf16": precision.param_dtype=bf16 too
     cmd = [
         sys.executable,
         "-m",
@@ -54,7 +54,7 @@ def run_level(
         "--config",
         config,
         f"precision.level={name}",
-        *([f"precision.param_dtype={param_dtype}"] if param_dtype else []),
+        f"precision.param_dtype={param_dtype}",
         f"training.train_iters={iters}",
         f"logging.dir={run_dir}",
         "checkpoint.resume=false",
