@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 
 # Two cores: keep each test process to one intra-op thread so parallel ranks do not fight.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Per-machine measurements (training/machine_cache.py) of test runs stay out of the user's
+# Per-machine measurements (fp8train/machine_cache.py) of test runs stay out of the user's
 # cache: one private cache per test session, inherited by every rank and subprocess.
 os.environ.setdefault(
     "FP8TRAIN_CACHE_DIR", os.path.join(tempfile.mkdtemp(prefix="fp8train_cache_"))

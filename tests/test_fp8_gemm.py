@@ -21,8 +21,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
+def _fresh_selection(monkeypatch, tmp_path):
     monkeypatch.delenv(gemm.ENV_VAR, raising=False)
+    # A private per-machine cache: "auto" races once per machine and stores the pick there.
+    monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(tmp_path / "machine_cache"))
     monkeypatch.setattr(gemm, "_auto_choice", {})
     set_gemm_backend(None)
     yield
@@ -112,24 +114,107 @@ def test_forced_backend_and_env_var(monkeypatch):
         select_gemm_backend(CPU, "fast")
 
 
-def test_auto_picks_the_faster_once(monkeypatch):
+def test_auto_picks_the_faster_once(monkeypatch, tmp_path):
     calls = []
 
-    def fake(device, shape=None, reps=3):
+    def fake(device, *args, **kwargs):
         calls.append(device)
-        return {"emulated": 11.0, "scaled_mm": 15.0}
+        return {"emulated": 11.0, "scaled_mm": 15.0}, {}
 
-    monkeypatch.setattr(gemm, "measure_gemm_backends", fake)
+    monkeypatch.setattr(gemm, "race_gemm_backends", fake)
     assert select_gemm_backend(CPU) == "emulated"
     assert select_gemm_backend("cpu") == "emulated"
-    assert len(calls) == 1  # cached per device type
+    monkeypatch.setattr(gemm, "_auto_choice", {})  # a new process on the same machine
+    assert select_gemm_backend(CPU) == "emulated"
+    assert len(calls) == 1  # raced once per machine, then read from the machine cache
 
-    for timings, want in [((2.0, 1.0), "scaled_mm"), ((1.0, 0.95), "emulated")]:
+    for i, (timings, want) in enumerate([((2.0, 1.0), "scaled_mm"), ((1.0, 0.95), "emulated")]):
         # A near-tie goes to emulated, so that the choice does not flip between processes.
         times = dict(zip(("emulated", "scaled_mm"), timings))
         monkeypatch.setattr(gemm, "_auto_choice", {})
-        monkeypatch.setattr(gemm, "measure_gemm_backends", lambda *a, t=times, **k: t)
+        monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(tmp_path / f"machine_{i}"))
+        monkeypatch.setattr(gemm, "race_gemm_backends", lambda *a, t=times, **k: (t, {}))
         assert select_gemm_backend(CPU) == want
+
+
+class _Recorded:
+    """A backend that records the shape of every call and runs the emulated GEMM ``factor``
+    times when ``slow_from`` <= M: a stand-in for a pathological kernel."""
+
+    def __init__(self, factor: int, slow_from: int = 0):
+        self.factor, self.slow_from, self.shapes = factor, slow_from, []
+
+    def __call__(self, a, b, out_dtype):
+        self.shapes.append((a.shape[0], a.shape[1], b.shape[0]))
+        for _ in range(self.factor if a.shape[0] >= self.slow_from else 1):
+            out = gemm._gemm_emulated(a, b, out_dtype)
+        return out
+
+
+def test_auto_drops_a_100x_slower_backend_before_full_size():
+    """A kernel 100x slower than emulation at every size: the probe finds it, and it never
+    runs at the full shape."""
+    slow = _Recorded(100)
+    full = gemm._AUTO_SHAPE["cpu"]
+    times, left = gemm.race_gemm_backends(
+        CPU, backends={"emulated": gemm._gemm_emulated, "slow": slow}
+    )
+    assert set(times) == {"emulated"} and "slow" in left, (times, left)
+    assert full not in slow.shapes and len(slow.shapes) == 2  # the two probe rounds
+
+
+def test_auto_calls_a_backend_slow_only_at_full_size_once():
+    """A kernel fine at the probe but 100x slower at the full shape runs there once."""
+    full = gemm._AUTO_SHAPE["cpu"]
+    slow = _Recorded(100, slow_from=full[0])
+    times, left = gemm.race_gemm_backends(
+        CPU, backends={"emulated": gemm._gemm_emulated, "slow": slow}
+    )
+    assert set(times) == {"emulated"} and "slow" in left, (times, left)
+    assert slow.shapes.count(full) == 1, slow.shapes
+    # The one it drops is the slower one, whichever order they run in.
+    times, left = gemm.race_gemm_backends(
+        CPU, backends={"slow": _Recorded(100, slow_from=full[0]), "emulated": gemm._gemm_emulated}
+    )
+    assert set(times) == {"emulated"}
+
+
+def _select_in_a_process(rank, world, port, cache, marks):
+    """One process of a run: a slowed-down race (so that the processes overlap) that leaves a
+    mark when it runs, then the pick written out."""
+    import os
+    import time
+    from pathlib import Path
+
+    from fp8train import gemm as g
+
+    os.environ["FP8TRAIN_CACHE_DIR"] = cache
+    race = g.race_gemm_backends
+
+    def marked(*args, **kwargs):
+        with open(Path(marks) / "races", "a") as f:
+            f.write(f"{rank}\n")
+        time.sleep(0.5)
+        return race(*args, **kwargs)
+
+    g.race_gemm_backends = marked
+    g._auto_choice.clear()
+    g.set_gemm_backend(None)
+    os.environ.pop(g.ENV_VAR, None)
+    (Path(marks) / f"pick{rank}").write_text(g.select_gemm_backend("cpu"))
+
+
+def test_the_processes_of_a_run_race_once_between_them(tmp_path):
+    """Three processes that start together (the ranks of a run, the workers of a test suite)
+    with one machine cache: one races, the others wait for its pick and use it."""
+    from multiproc import run_ranks
+
+    cache = tmp_path / "cache"
+    run_ranks(_select_in_a_process, 3, (str(cache), str(tmp_path)), timeout=120,
+              start_method="fork")  # fmt: skip
+    assert (tmp_path / "races").read_text().split() in (["0"], ["1"], ["2"])
+    picks = {(tmp_path / f"pick{r}").read_text() for r in range(3)}
+    assert len(picks) == 1 and picks <= set(BACKENDS)
 
 
 def test_measure_returns_timings():

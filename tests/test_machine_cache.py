@@ -1,4 +1,4 @@
-"""Per-machine measurements are made once and reused (training/machine_cache.py)."""
+"""Per-machine measurements are made once and reused (fp8train/machine_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from training import machine_cache
+from fp8train import machine_cache
 
 
 def test_a_measurement_is_made_once_per_machine_and_reused(tmp_path, monkeypatch):

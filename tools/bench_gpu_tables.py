@@ -12,8 +12,8 @@ import math
 
 import torch
 
+from fp8train.machine_cache import remember
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
-from training.machine_cache import remember
 
 __all__ = ["levels_table", "linear_table", "max_size_table", "peak_note", "peak_tflops"]
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from data.sampler import micro_batches
 from fp8train import device as devices
+from fp8train.machine_cache import remember
 from fp8train.optim_states import grad_of
 from parallel.topology import gather_texts
 from training.async_checkpoint import CheckpointSaver
@@ -28,7 +29,6 @@ from training.checkpointing import (
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 from training.forward_backward import forward_backward, forward_only
-from training.machine_cache import remember
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
 from training.optimizer import clip_grad_norm

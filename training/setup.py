@@ -6,7 +6,6 @@ resume. Every "not implemented yet" and every impossible layout fails here, befo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +26,6 @@ from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
 from training.layout import check_layout, num_microbatches
-from training.machine_cache import remember
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
 
 __all__ = [
@@ -127,15 +125,11 @@ _BACKENDS = ("emulated", "scaled_mm")
 
 
 def _agree_gemm_backend(choice: str, device: torch.device) -> str:
-    """Rank 0 picks (when "auto", the pick timed once per machine, training/machine_cache.py)
-    and every rank uses its pick: timings differ per process, and replicas must run the same
-    arithmetic to stay reproducible."""
-    if choice == "auto" and not os.environ.get(gemm.ENV_VAR):  # timed once per machine
-        picked, _ = remember(
-            "fp8-gemm-backend", device, lambda: gemm.select_gemm_backend(device, "auto")
-        )
-    else:
-        picked = gemm.select_gemm_backend(device, choice)
+    """Every rank uses rank 0's pick: replicas must run the same arithmetic to stay
+    reproducible. (With "auto" the ranks normally agree already: the pick is raced once per
+    machine and stored, ``fp8train.machine_cache``; a cache they cannot share is the case
+    the broadcast covers.)"""
+    picked = gemm.select_gemm_backend(device, choice)
     if dist.is_initialized():
         code = torch.tensor([_BACKENDS.index(picked)], dtype=torch.int64, device=device)
         dist.broadcast(code, src=0)
