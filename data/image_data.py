@@ -48,7 +48,8 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -171,16 +172,38 @@ class _FolderSource:
         return os.path.join(self.root, self.files[i])
 
     def image(self, i: int) -> np.ndarray:
-        path = self.path(i)
-        try:
-            with Image.open(path) as im:
-                rgb_or_l = im.convert("RGB" if self.channels == 3 else "L")
-        # Pillow reports damaged files through several exception types (OSError, SyntaxError,
-        # ValueError, DecompressionBombError, ...): all of them mean this file cannot be used.
-        except Exception as err:
-            raise ValueError(f"{path}: cannot decode image ({_one_line(err)})") from None
+        with _opened_image(self.path(i)) as im:
+            rgb_or_l = im.convert("RGB" if self.channels == 3 else "L")
         pixels = np.asarray(rgb_or_l, dtype=np.uint8)
         return pixels.reshape(pixels.shape[0], pixels.shape[1], self.channels)
+
+    def verify(self, progress: bool = False) -> None:
+        """Check every file without decoding it, before anything is written from them: Pillow
+        must recognise its header, and a PNG's chunks must be complete with intact CRCs (a
+        truncated or altered PNG fails here; a damaged JPEG only when decoded). Raises
+        ValueError naming the first bad file, as ``image`` does."""
+        bar = Progress("checking images", len(self), unit="images") if progress else None
+        try:
+            for i in range(len(self)):
+                with _opened_image(self.path(i)) as im:
+                    im.verify()
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:  # the packing line, or the error's one line, follows at once
+                bar.clear()
+
+
+@contextmanager
+def _opened_image(path: str) -> Iterator[Image.Image]:
+    """``Image.open(path)``; a failure in the block is a one-line ValueError naming the file.
+    Pillow reports damaged files through several exception types (OSError, SyntaxError,
+    ValueError, DecompressionBombError, ...): all of them mean this file cannot be used."""
+    try:
+        with Image.open(path) as im:
+            yield im
+    except Exception as err:
+        raise ValueError(f"{path}: cannot decode image ({_one_line(err)})") from None
 
 
 def _class_folders(base: Path) -> list[str]:
@@ -325,9 +348,12 @@ def _write_pixels(source: ImageSource, path: str, progress: bool) -> np.ndarray:
 
     try:
         _write_synced(path, write)
-    finally:
-        if bar is not None:  # also after an error: its message then starts on a line of its own
-            bar.close()
+    except BaseException:
+        if bar is not None:  # the error's message is the one line that follows
+            bar.clear()
+        raise
+    if bar is not None:
+        bar.close()
     return index
 
 

@@ -81,6 +81,16 @@ class Progress:
             self.closed = True
             self._emit()
 
+    def clear(self) -> None:
+        """Stop without a last line, where another line follows at once (the next phase's
+        progress, or a failure's one-line message): on a terminal the line in place is
+        erased, in a log nothing more is printed."""
+        if not self.closed:
+            self.closed = True
+            if self.live:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+
 
 def track(
     items: Iterable[T],

@@ -15,7 +15,6 @@ The first metric is the headline loss (NaN counting, the console line).
 from __future__ import annotations
 
 import dataclasses
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,12 +236,14 @@ def _builtin() -> None:
 
 
 def read_hf_config(directory) -> dict:
-    """A Hugging Face model directory's ``config.json``; a missing one raises naming it."""
+    """A Hugging Face model directory's ``config.json``; a missing one raises naming it, as
+    does a damaged one (``CheckpointError``)."""
+    from training.checkpoint_format import read_json  # the format reader: no model code
+
     path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: missing (not a Hugging Face model directory)") from None
+    if not path.exists():
+        raise ValueError(f"{path}: missing (not a Hugging Face model directory)")
+    return read_json(path)
 
 
 def family_for_hf_directory(directory) -> ModelFamily:

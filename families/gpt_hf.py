@@ -48,7 +48,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from families.base import read_hf_config
 from models.gpt import GPTConfig, pad_vocab_size
@@ -467,13 +467,19 @@ def save_hf(
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists."""
+    """``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists; a
+    missing or damaged file raises ``CheckpointError`` naming it."""
+    from training.checkpoint_format import CheckpointError, load_safetensors, read_json
+
     index = path / "model.safetensors.index.json"
     if not index.exists():
-        return load_file(str(path / "model.safetensors"))
+        return load_safetensors(path / "model.safetensors")
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: no 'weight_map' of tensor names to shard files")
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        tensors.update(load_file(str(path / shard)))
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(load_safetensors(path / shard))
     return tensors
 
 
@@ -503,9 +509,9 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     (dequantized), the model config from the checkpoint's own config and ``model_structure``.
     """
     from families.gpt import GPTFamily
-    from training.checkpoint_format import reassemble  # the format reader: no model code
+    from training.checkpoint_format import read_json, reassemble  # the format reader
 
-    meta = json.loads((Path(checkpoint) / "metadata.json").read_text())
+    meta = read_json(Path(checkpoint) / "metadata.json")
     structure = meta["model_structure"]
     if structure.get("family") != "gpt":
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not gpt")

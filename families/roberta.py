@@ -34,7 +34,7 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
 from data.prepare import check_text_data, prepare_text_data
@@ -430,18 +430,20 @@ def save_hf(directory: str | Path, state: dict, config: RobertaConfig, vocab_siz
 
 def load_hf(directory: str | Path, padded_vocab_size: int | None = None):
     """``(RobertaConfig, parameters)`` from a Hugging Face ``RobertaForMaskedLM`` directory."""
+    from training.checkpoint_format import load_safetensors  # names a damaged file
+
     path = Path(directory)
     config = config_from_hf(read_hf_config(path), padded_vocab_size)
-    return config, state_from_hf(load_file(str(path / "model.safetensors")), config)
+    return config, state_from_hf(load_safetensors(path / "model.safetensors"), config)
 
 
 def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """A training checkpoint of this family (any parallel layout, any level) as a Hugging Face
     ``RobertaForMaskedLM``: full tensors from the canonical format (dequantized), the model
     config from the checkpoint's own config and ``model_structure``."""
-    from training.checkpoint_format import reassemble  # the format reader: no model code
+    from training.checkpoint_format import read_json, reassemble  # the format reader
 
-    meta = json.loads((Path(checkpoint) / "metadata.json").read_text())
+    meta = read_json(Path(checkpoint) / "metadata.json")
     structure = meta["model_structure"]
     if structure.get("family") != "roberta":
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not roberta")

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from families.base import (
     HFImport,
@@ -394,18 +394,20 @@ def save_hf(
 def load_hf(directory: str | Path, image_size: int | None = None):
     """``(ViTConfig, parameters)`` from a Hugging Face ``ViTForImageClassification``
     directory; ``image_size`` other than the checkpoint's interpolates the positions."""
+    from training.checkpoint_format import load_safetensors  # names a damaged file
+
     path = Path(directory)
     hf = read_hf_config(path)
     config = config_from_hf(hf, **({"image_size": image_size} if image_size else {}))
-    return config, state_from_hf(load_file(str(path / "model.safetensors")), config)
+    return config, state_from_hf(load_safetensors(path / "model.safetensors"), config)
 
 
 def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """A training checkpoint of this family (any layout, any level) as a Hugging Face
     ``ViTForImageClassification`` (full tensors from the canonical format)."""
-    from training.checkpoint_format import reassemble  # the format reader: no model code
+    from training.checkpoint_format import read_json, reassemble  # the format reader
 
-    meta = json.loads((Path(checkpoint) / "metadata.json").read_text())
+    meta = read_json(Path(checkpoint) / "metadata.json")
     structure = meta["model_structure"]
     if structure.get("family") != "vit":
         raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not vit")

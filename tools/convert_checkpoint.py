@@ -16,7 +16,9 @@ output is a checkpoints directory (``iter_*`` + ``latest``) that ``checkpoint.lo
 with ``checkpoint.dir`` pointing at it) reads; one imported from Hugging Face holds weights
 only and starts a run with ``checkpoint.finetune=true``. A run may also simply load a
 checkpoint of another layout: it reshards on load by the same code. Progress goes to stderr,
-one line per tensor; nothing is written on failure (an existing non-empty output is refused).
+one line per tensor. Every input file is checked (headers, sizes, JSON) before anything is
+written: a missing, truncated or garbled one is one ``error:`` line naming it, exit 2; nothing is
+left at ``--output`` on any failure (an existing non-empty output is refused).
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             saved = read_metadata(resolve_checkpoint(args.input))
             layout = _layout(args, saved)
             out = convert_native(args.input, args.output, layout, **extra)
-    except (CheckpointError, ConfigError, ValueError, KeyError, NotImplementedError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (CheckpointError, ConfigError, OSError, ValueError, KeyError, NotImplementedError) as e:
+        # Damaged input is refused before --output is made; a later failure removes it again.
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(
         f"wrote {out} (TP={layout.tensor} PP={layout.pipeline} virtual={layout.virtual_pipeline}"

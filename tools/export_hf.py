@@ -11,7 +11,8 @@ adapter (families/<family>.py). The output directory holds ``config.json``,
 ``model.safetensors`` and the run's tokenizer (training/tokenizer_files.py: a SentencePiece
 model becomes a ``LlamaTokenizer`` checked to give this project's ids);
 ``from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it. The same as
-``tools/convert_checkpoint.py --format hf``.
+``tools/convert_checkpoint.py --format hf``: a damaged checkpoint file is one ``error:`` line
+naming it, exit 2, and nothing is left at ``--output``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.checkpoint, args.output)
-    except (
-        FileNotFoundError, ValueError, KeyError, NotImplementedError, CheckpointError
-    ) as err:  # fmt: skip
+    except (OSError, ValueError, KeyError, NotImplementedError, CheckpointError) as err:
+        # Damaged input is refused before --output is made; a later failure removes it again.
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")

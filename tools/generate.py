@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         _check_args(args)
         _run(args)
-    except (UsageError, CheckpointError, FileNotFoundError, ValueError, KeyError) as err:
+    # A damaged checkpoint (truncated safetensors, garbled JSON) is a CheckpointError naming
+    # the file; an unreadable one an OSError naming it.
+    except (UsageError, CheckpointError, OSError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -17,7 +17,8 @@ Hugging Face tokenizer (``--tokenizer-type huggingface``: a converted model's ow
 key) or a directory whose files (sorted by relative path) are one document each. An EOD token
 is appended to every document unless ``--no-append-eod``. Progress (documents, rate, ETA) goes
 to stderr: a line rewritten in place on a terminal, a line every 10 s in a log. Errors print
-one line, exit 2.
+one line, exit 2. Every JSON line is read (UTF-8, JSON, the keys) before anything is written,
+so a damaged one is named as ``file:line``; a failure after that removes what was written.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from data.corpus import iter_texts  # noqa: E402
 from data.indexed import dataset_prefix, write_indexed_dataset  # noqa: E402
+from data.paths import output_folder  # noqa: E402
 from data.progress import track  # noqa: E402
 from data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
@@ -42,7 +44,7 @@ from data.tokenizer import (  # noqa: E402
     train_sentencepiece,
 )
 
-__all__ = ["main", "build_parser", "count_input_documents", "iter_input_texts"]
+__all__ = ["main", "build_parser", "check_input_documents", "iter_input_texts"]
 
 _PROG = "preprocess_data.py"
 _BATCH = 64
@@ -108,31 +110,55 @@ def _directory_files(root: Path, pattern: str) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def _jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """``(line number, parsed value)`` of every non-blank line; a line that is not UTF-8 or
+    not JSON raises naming ``file:line`` (lines end at newline bytes: a line's bytes are
+    decoded on their own, so the error can name it)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UsageError(
+                    f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
                 raise UsageError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or key not in record:
-                raise UsageError(f"{path}:{lineno}: no key {key!r} in this JSON line")
-            text = record[key]
-            if not isinstance(text, str):
-                raise UsageError(f"{path}:{lineno}: value of {key!r} is not a string")
-            yield text
 
 
-def count_input_documents(input_path: str, pattern: str = "*") -> int:
-    """Documents ``iter_input_texts`` will yield (a directory's files, a JSON-lines file's
-    non-blank lines): one quick pass, so the progress line can show an ETA."""
+def _text(path: Path, lineno: int, record: object, key: str) -> str:
+    if not isinstance(record, dict) or key not in record:
+        raise UsageError(f"{path}:{lineno}: no key {key!r} in this JSON line")
+    text = record[key]
+    if not isinstance(text, str):
+        raise UsageError(f"{path}:{lineno}: value of {key!r} is not a string")
+    return text
+
+
+def _iter_jsonl(path: Path, key: str) -> Iterator[str]:
+    for lineno, record in _jsonl_records(path):
+        yield _text(path, lineno, record, key)
+
+
+def check_input_documents(input_path: str, keys: list[str], pattern: str = "*") -> int:
+    """Documents ``iter_input_texts`` will yield per key (a directory's files, a JSON-lines
+    file's non-blank lines). A JSON-lines file is read whole here, as the tokenizing pass
+    will read it: a line that is not UTF-8 or not JSON, or lacks a key, raises naming
+    ``file:line`` before anything is written. The count gives the progress line its ETA."""
     path = Path(input_path)
     if path.is_dir():
         return len(_directory_files(path, pattern))
-    with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
+    count = 0
+    for lineno, record in _jsonl_records(path):
+        for key in keys:
+            _text(path, lineno, record, key)
+        count += 1
+    return count
 
 
 def iter_input_texts(input_path: str, key: str, pattern: str = "*") -> Iterator[str]:
@@ -207,47 +233,66 @@ def _run(args: argparse.Namespace) -> None:
         )
         return
 
-    if args.tokenizer_model is None:
-        texts = (
-            t for key in args.json_keys for t in iter_input_texts(args.input, key, args.pattern)
-        )
-        model = train_sentencepiece(
-            texts, f"{args.output_prefix}_tokenizer", args.vocab_size, seed=args.seed
-        )
-        print(f"tokenizer_model: {model}")
-        tokenizer = SentencePieceTokenizer(model)
-    else:
+    # Every line read once before anything is written: a damaged one is refused here.
+    total = check_input_documents(args.input, args.json_keys, args.pattern)
+    if args.tokenizer_model is not None:
         tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    if args.append_eod:
-        _ = tokenizer.eod  # a tokenizer without one fails before any file is written
+        if args.append_eod:
+            _ = tokenizer.eod  # a tokenizer without one fails before any file is written
+    written: list[Path] = []  # removed again if anything fails: no partial output
+    report: list[str] = []  # printed once everything is written
+    with output_folder(Path(args.output_prefix).parent):
+        try:
+            if args.tokenizer_model is None:
+                texts = (
+                    t
+                    for key in args.json_keys
+                    for t in iter_input_texts(args.input, key, args.pattern)
+                )
+                written.append(Path(f"{args.output_prefix}_tokenizer.model"))
+                model = train_sentencepiece(
+                    texts, f"{args.output_prefix}_tokenizer", args.vocab_size, seed=args.seed
+                )
+                report.append(f"tokenizer_model: {model}")
+                tokenizer = SentencePieceTokenizer(model)
+                if args.append_eod:
+                    _ = tokenizer.eod
+            for key in args.json_keys:
+                prefix = dataset_prefix(args.output_prefix, key)
+                written += [Path(prefix + ".bin"), Path(prefix + ".idx")]
+                report.append(_write_key(args, tokenizer, key, prefix, total))
+        except BaseException:
+            for path in written:
+                path.unlink(missing_ok=True)
+            raise
+    print("\n".join(report))
 
-    for key in args.json_keys:
-        prefix = dataset_prefix(args.output_prefix, key)
-        skipped = [0]
-        texts = track(
-            iter_input_texts(args.input, key, args.pattern),
-            f"tokenizing {key}",
-            total=count_input_documents(args.input, args.pattern),
-            size=lambda text: len(text.encode()),
-        )
-        docs = _encoded(tokenizer, texts, args.append_eod, skipped)
-        stats = write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
-        if stats.num_documents == 0:
-            for suffix in (".bin", ".idx"):
-                Path(prefix + suffix).unlink(missing_ok=True)
-            raise UsageError(f"no non-empty documents under key {key!r} in {args.input!r}")
-        note = f" ({skipped[0]} empty skipped)" if skipped[0] else ""
-        print(
-            f"data_prefix: {prefix} documents: {stats.num_documents}{note} "
-            f"tokens: {stats.num_tokens} dtype: {stats.dtype.name}"
-        )
+
+def _write_key(args: argparse.Namespace, tokenizer, key: str, prefix: str, total: int) -> str:
+    """Tokenize ``key``'s documents into the dataset at ``prefix``; returns the report line."""
+    skipped = [0]
+    texts = track(
+        iter_input_texts(args.input, key, args.pattern),
+        f"tokenizing {key}",
+        total=total,
+        size=lambda text: len(text.encode()),
+    )
+    docs = _encoded(tokenizer, texts, args.append_eod, skipped)
+    stats = write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
+    if stats.num_documents == 0:
+        raise UsageError(f"no non-empty documents under key {key!r} in {args.input!r}")
+    note = f" ({skipped[0]} empty skipped)" if skipped[0] else ""
+    return (
+        f"data_prefix: {prefix} documents: {stats.num_documents}{note} "
+        f"tokens: {stats.num_tokens} dtype: {stats.dtype.name}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _run(args)
-    except (UsageError, FileNotFoundError, ValueError) as err:
+    except (UsageError, OSError, ValueError) as err:
         print(f"{_PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -8,7 +8,8 @@
 (``1``) and stored at its own size in ``PREFIX.bin`` with ``PREFIX.index.npy``,
 ``PREFIX.labels.npy`` and ``PREFIX.json`` (see ``data/image_data.py``): training then reads
 raw pixels instead of decoding, and its items are bit-identical to reading the folder.
-Errors print one line, exit 2 and leave no output files behind.
+Every file's header (a PNG's chunks and CRCs too) is checked before anything is written.
+Errors print one line naming the file, exit 2 and leave no output files behind.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.image_data import folder_source, write_packed  # noqa: E402
+from data.paths import output_folder  # noqa: E402
 
 __all__ = ["main", "build_parser"]
 
@@ -41,31 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _make_parents(prefix: Path) -> list[Path]:
-    """Create the output folder's missing ancestors; returns them deepest first."""
-    created: list[Path] = []
-    folder = prefix.parent
-    while not folder.exists():
-        created.append(folder)
-        folder = folder.parent
-    for path in reversed(created):
-        path.mkdir()
-    return created
-
-
 def _run(args: argparse.Namespace) -> None:
     if not Path(args.input).exists():
         raise UsageError(f"--input {args.input!r} does not exist")
     source = folder_source(args.input, channels=args.channels)  # ValueError names the culprit
+    source.verify(progress=True)  # every file's header before anything is written
     prefix = Path(args.output_prefix)
-    created = _make_parents(prefix)
-    try:
+    # write_packed removes its own files on failure; output_folder the folders made for them.
+    with output_folder(prefix.parent):
         meta = write_packed(source, prefix, progress=True)
-    except BaseException:
-        for folder in created:  # "nothing left behind" includes folders made for the output
-            if not any(folder.iterdir()):
-                folder.rmdir()
-        raise
     print(
         f"output_prefix: {prefix} images: {meta['count']} classes: {len(meta['classes'])} "
         f"channels: {meta['channels']} bytes: {meta['bytes']}"

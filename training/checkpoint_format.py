@@ -24,20 +24,28 @@ run's config, counters and ``model_structure`` (fused tensors, the unpadded voca
 optimizer state, e.g. one imported from Hugging Face.
 
 The reader below imports only torch, safetensors and json: it is the reference for tools that
-reshard or convert checkpoints.
+reshard or convert checkpoints. Every file it reads goes through ``read_json`` or
+``open_safetensors``, which refuse a missing, truncated or garbled file with one
+``CheckpointError`` line naming it (the pre-flight, the loader and the tools all read this way).
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = [
+    "CheckpointError",
+    "read_json",
+    "open_safetensors",
+    "load_safetensors",
     "FORMAT_VERSION",
     "LAYOUT_KEY",
     "slice_suffix",
@@ -55,6 +63,65 @@ __all__ = [
 
 FORMAT_VERSION = 2
 LAYOUT_KEY = "fp8train.layouts"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint (or a Hugging Face model directory) that cannot be used; the message is one
+    line naming the file."""
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def read_json(path: str | Path) -> dict:
+    """The JSON object in file ``path`` (metadata.json, a Hugging Face config or index). A
+    missing or unreadable file, bytes that are not UTF-8, text that does not parse (the
+    message gives the line) or a value that is not an object raise ``CheckpointError``."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {path}") from None
+    except OSError as exc:  # a directory, no permission: strerror says which
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or _one_line(exc)}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start]
+        raise CheckpointError(
+            f"cannot parse {path}: not UTF-8 (byte 0x{bad:02x} at offset {exc.start})"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"cannot parse {path}: {_one_line(exc)}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"cannot parse {path}: a JSON {type(value).__name__}, not an object")
+    return value
+
+
+@contextmanager
+def open_safetensors(path: str | Path) -> Iterator:
+    """``safe_open(path)`` for reading tensors. Opening parses the header and checks that its
+    tensors exactly cover the file, so a truncated or garbled file fails here, before any
+    output is written; that failure, a missing file, and a failed read inside the block raise
+    ``CheckpointError`` naming the file (safetensors' own error names none)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises several types for a damaged header
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_one_line(exc)}") from None
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {_one_line(exc)}") from None
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (``safetensors.torch.load_file``, through
+    ``open_safetensors``: a damaged file raises ``CheckpointError`` naming it)."""
+    with open_safetensors(path) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a mapping)
 
 
 def slice_suffix(tp_rank: int, tp: int, pp_rank: int, pp: int) -> str:
@@ -180,10 +247,17 @@ _WHOLE = {
 
 
 def read_layouts(path: str | Path) -> dict[str, dict]:
-    """The per-tensor layouts of one file (empty for a file without them)."""
-    with safe_open(str(path), framework="pt") as f:
+    """The per-tensor layouts of one file (empty for a file without them); a damaged file or
+    layout header raises ``CheckpointError`` naming the file."""
+    with open_safetensors(path) as f:
         meta = f.metadata() or {}
-    return json.loads(meta.get(LAYOUT_KEY, "{}"))
+    try:
+        layouts = json.loads(meta.get(LAYOUT_KEY, "{}"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: '{LAYOUT_KEY}' header: {_one_line(exc)}") from None
+    if not isinstance(layouts, dict):
+        raise CheckpointError(f"{path}: '{LAYOUT_KEY}' header is not a JSON object")
+    return layouts
 
 
 def optimizer_layouts(
@@ -246,7 +320,7 @@ def reassemble(path: str | Path, kind: str = "model") -> dict[str, torch.Tensor]
     if meta_file.exists():  # a whole checkpoint: every slice's file must be there
         missing = [
             name
-            for name in expected_files(json.loads(meta_file.read_text()), kind)
+            for name in expected_files(read_json(meta_file), kind)
             if not (Path(path) / name).exists()
         ]
         if missing:
@@ -256,7 +330,7 @@ def reassemble(path: str | Path, kind: str = "model") -> dict[str, torch.Tensor]
         layouts = read_layouts(file)
         if not layouts:
             raise ValueError(f"{file}: no '{LAYOUT_KEY}' header (not a format-2 checkpoint)")
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 layout = layouts[name]
                 scale_name = layout.get("scale_inv")

@@ -34,9 +34,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from training.checkpoint_format import FORMAT_VERSION, slice_suffix, write_tensors
+from training.checkpoint_format import (
+    FORMAT_VERSION,
+    CheckpointError,
+    load_safetensors,
+    read_json,
+    slice_suffix,
+    write_tensors,
+)
 
 __all__ = [
     "CheckpointError",
@@ -58,10 +65,6 @@ __all__ = [
     "resolve_checkpoint",
     "check_format",
 ]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
 
 
 @dataclass
@@ -343,10 +346,19 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     pointer = root / "latest"
     if not pointer.exists():
         return None
-    name = pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc}") from None
+    # One directory name in one line (a garbled pointer must not name the root, or print as
+    # several lines).
+    if not name.isprintable() or "/" in name or name in ("", ".", ".."):
+        raise CheckpointError(f"{pointer} names no checkpoint directory ({name!r})")
     path = root / name
     if not path.exists() and name.startswith(".tmp_"):
         path = root / name.removeprefix(".tmp_")
+    if not path.is_dir():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{pointer} names {path.name}, which has no metadata.json")
     return path
@@ -368,13 +380,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """The checkpoint's metadata.json; a missing or corrupt file raises naming it."""
-    meta_file = Path(path) / "metadata.json"
-    try:
-        return json.loads(meta_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file missing: {meta_file}") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"cannot parse {meta_file}: {exc}") from None
+    return read_json(Path(path) / "metadata.json")
 
 
 def check_format(path: str | os.PathLike, metadata: dict) -> None:
@@ -392,20 +398,12 @@ def load_checkpoint(path: str | os.PathLike, rank: int, files: tuple[str, ...]) 
     files raise naming the file."""
     path = Path(path)
 
-    def read(file: Path) -> dict[str, torch.Tensor]:
-        if not file.exists():
-            raise CheckpointError(f"checkpoint file missing: {file}")
-        try:
-            return load_file(str(file))
-        except Exception as exc:  # safetensors raises several types for a damaged file
-            raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from None
-
     metadata = read_metadata(path)
     check_format(path, metadata)
     rng_file = path / f"rng_rank{rank}.safetensors"
     return LoadedCheckpoint(
         path=path,
         metadata=metadata,
-        files={name: read(path / name) for name in files},
-        rng=read(rng_file) if rng_file.exists() else {},
+        files={name: load_safetensors(path / name) for name in files},
+        rng=load_safetensors(rng_file) if rng_file.exists() else {},
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from data.paths import output_folder
 from families.base import ModelFamily, family_for_hf_directory, get_family
 from fp8train.convert import apply_level_storage
 from models.context import BuildContext
@@ -38,7 +38,7 @@ from training.checkpoint_format import (
     write_tensors,
     write_tensors_streaming,
 )
-from training.checkpointing import CheckpointError, resolve_checkpoint
+from training.checkpointing import CheckpointError, read_metadata, resolve_checkpoint
 from training.config import config_from_dict, config_to_dict
 from training.optimizer import parameter_owners, trainable_parameters
 from training.reshard import SourceCheckpoint, Target, optimizer_targets, reshard_iter
@@ -168,7 +168,9 @@ def convert_native(
     source_path: str | Path, output: str | Path, layout: Layout, progress: Progress = _stderr
 ) -> Path:
     """Write checkpoint ``source_path`` (any layout) as ``layout`` into checkpoints directory
-    ``output`` (``iter_*`` + ``latest``, as a run writes them). Returns the checkpoint path."""
+    ``output`` (``iter_*`` + ``latest``, as a run writes them). Returns the checkpoint path.
+    Every source file's header is checked before ``output`` is made (``SourceCheckpoint``);
+    a failure after that leaves ``output`` as it was (absent or empty)."""
     source = SourceCheckpoint(resolve_checkpoint(source_path))
     meta = source.metadata
     family = get_family(meta["family"])
@@ -176,11 +178,10 @@ def convert_native(
     model_config = family.config_from_checkpoint(new_meta)
     weights_only = bool(meta.get("weights_only"))
     recipe = cfg.precision.recipe()
-    root = _fresh_output(output)
     name = f"iter_{meta['iteration']:07d}"
-    tmp, final = root / f".tmp_{name}", root / name
-    tmp.mkdir()
-    try:
+    with output_folder(output, owned=True) as root:
+        tmp, final = root / f".tmp_{name}", root / name
+        tmp.mkdir()
         for pp_rank in range(layout.pipeline):
             for tp_rank in range(layout.tensor):
                 model = plan_slice(family, model_config, cfg, layout, tp_rank, pp_rank)
@@ -204,10 +205,7 @@ def convert_native(
         copy_tokenizer_files(source.path / TOKENIZER_FOLDER, tmp / TOKENIZER_FOLDER)
         (tmp / "metadata.json").write_text(json.dumps(new_meta, indent=2, sort_keys=True))
         tmp.replace(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (root / "latest").write_text(name + "\n")
+        (root / "latest").write_text(name + "\n")
     return final
 
 
@@ -225,16 +223,6 @@ def _write_optimizer(source, model, targets, directory: Path, suffix, layout, pr
         wanted = optimizer_targets(source, owned, targets)
         path = directory / f"optimizer{suffix}{dp_suffix}.safetensors"
         _write(path, wanted, reshard_iter(source, "optimizer", wanted), progress)
-
-
-def _fresh_output(output: str | Path) -> Path:
-    """The output checkpoints directory; an existing non-empty one is refused (nothing is
-    overwritten)."""
-    root = Path(output)
-    if root.exists() and any(root.iterdir()):
-        raise CheckpointError(f"{root}: output directory exists and is not empty")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def import_hf(
@@ -272,11 +260,14 @@ def import_hf(
 
 def export_hf(source_path: str | Path, output: str | Path, progress: Progress = _stderr) -> Path:
     """A native checkpoint (any layout, any level) as a Hugging Face model directory, with
-    the run's tokenizer beside it where one is found (training/tokenizer_files.py)."""
+    the run's tokenizer beside it where one is found (training/tokenizer_files.py). The
+    metadata and every model file's header are checked before ``output`` is made; a failure
+    after that leaves ``output`` as it was (absent or empty)."""
     checkpoint = resolve_checkpoint(source_path)
-    meta = json.loads((checkpoint / "metadata.json").read_text())
+    meta = read_metadata(checkpoint)
+    SourceCheckpoint(checkpoint, kinds=("model",))  # what the export reads: refused here
     family = get_family(meta["family"])
-    root = _fresh_output(output)
-    out = family.export_hf(checkpoint, root)
-    progress(export_tokenizer(checkpoint, meta, out, family.control_symbols))
+    with output_folder(output, owned=True) as root:
+        out = family.export_hf(checkpoint, root)
+        progress(export_tokenizer(checkpoint, meta, out, family.control_symbols))
     return out

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from fp8train.formats import E4M3
 from fp8train.optim_states import quantize_into_
@@ -45,10 +44,12 @@ from training.checkpoint_format import (
     DTYPES_BY_NAME,
     DTYPES_BY_SAFETENSORS_NAME,
     LAYOUT_KEY,
+    CheckpointError,
     expected_files,
+    open_safetensors,
     read_layouts,
 )
-from training.checkpointing import CheckpointError, check_format, read_metadata
+from training.checkpointing import check_format, read_metadata
 
 __all__ = [
     "Target",
@@ -75,15 +76,17 @@ class Target:
 
 class SourceCheckpoint:
     """The stored pieces of a checkpoint directory, indexed by name from the file headers
-    (no tensor is read until asked for). ``kind``: "model" or "optimizer" files."""
+    (no tensor is read until asked for). ``kind``: "model" or "optimizer" files; ``kinds``:
+    those to index (every file's header is read and checked here: a missing, truncated or
+    garbled file raises ``CheckpointError`` naming it before anything else happens)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, kinds: tuple[str, ...] = ("model", "optimizer")):
         self.path = Path(path)
         self.metadata = read_metadata(self.path)
         check_format(self.path, self.metadata)
         self.structure = self.metadata.get("model_structure", {})
         self.index: dict[str, dict[str, dict[int, tuple[dict, Path]]]] = {}
-        for kind in ("model", "optimizer"):
+        for kind in kinds:
             names = expected_files(self.metadata, kind)
             missing = [n for n in names if not (self.path / n).exists()]
             if missing:
@@ -91,10 +94,7 @@ class SourceCheckpoint:
             pieces: dict[str, dict[int, tuple[dict, Path]]] = {}
             for name in names:
                 file = self.path / name
-                try:
-                    layouts = read_layouts(file)
-                except Exception as exc:  # safetensors raises several types for a bad header
-                    raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from None
+                layouts = read_layouts(file)
                 if not layouts:
                     raise CheckpointError(f"{file}: no '{LAYOUT_KEY}' header")
                 for tensor, layout in layouts.items():
@@ -131,13 +131,13 @@ class SourceCheckpoint:
     def stored(self, kind: str, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of one stored piece of ``name``, from the file header alone."""
         _, file = next(iter(self.shards(kind, name).values()))
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             piece = f.get_slice(name)
             return tuple(piece.get_shape()), DTYPES_BY_SAFETENSORS_NAME[piece.get_dtype()]
 
     def read(self, kind: str, name: str, tp_rank: int) -> torch.Tensor:
         layout, file = self.shards(kind, name)[tp_rank]
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             return f.get_tensor(name)
 
 
