@@ -122,7 +122,9 @@ def run(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"fp8_comm_w{world}")
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, str(out / "init"), str(out)), nprocs=world, join=True)
+    mp.start_processes(
+        _worker, args=(world, str(out / "init"), str(out)), nprocs=world, start_method="fork"
+    )  # forked: inherits the imports
     seconds = time.perf_counter() - t0
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     print(f"\nW={world}: spawn + all cases {seconds:.1f} s")

@@ -71,7 +71,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8_gather")
-    mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=2, join=True)
+    mp.start_processes(
+        _worker, args=(str(out / "init"), str(out)), nprocs=2, start_method="fork"
+    )  # forked: inherits the imports
     return json.loads((out / "results.json").read_text())
 
 

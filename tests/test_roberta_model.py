@@ -217,7 +217,9 @@ def tp_results(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("roberta_tp")
-    mp.spawn(_tp_worker, args=(2, str(out / "init"), str(out)), nprocs=2)
+    mp.start_processes(
+        _tp_worker, args=(2, str(out / "init"), str(out)), nprocs=2, start_method="fork"
+    )  # forked: inherits the imports
     return json.loads((out / "results.json").read_text())
 
 

@@ -281,7 +281,9 @@ def run(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"tp{world}")
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, str(out / "init"), str(out)), nprocs=world, join=True)
+    mp.start_processes(
+        _worker, args=(world, str(out / "init"), str(out)), nprocs=world, start_method="fork"
+    )  # forked: inherits the imports
     print(f"\nTP={world}: spawn + all cases {time.perf_counter() - t0:.1f} s")
     return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

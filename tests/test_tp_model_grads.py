@@ -107,7 +107,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tp_grads_{request.param}")
-    mp.spawn(_worker, args=(request.param, str(out / "init"), str(out)), nprocs=request.param)
+    mp.start_processes(
+        _worker,
+        args=(request.param, str(out / "init"), str(out)),
+        nprocs=request.param,
+        start_method="fork",
+    )  # forked: inherits the imports
     return json.loads((out / "results.json").read_text())
 
 

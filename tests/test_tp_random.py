@@ -67,7 +67,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def masks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_random")
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    mp.start_processes(
+        _worker, args=(2, str(out / "init"), str(out)), nprocs=2, start_method="fork"
+    )  # forked: inherits the imports
     print(f"\nTP=2 dropout masks: spawn + draws {time.perf_counter() - t0:.1f} s")
     return torch.load(out / "masks.pt")
 

@@ -1,4 +1,6 @@
-"""Tensor parallelism end to end: the real entry point under torchrun against the TP=1 run.
+"""Tensor parallelism end to end against the TP=1 run: every level through ``pretrain`` in
+forked ranks (shared between the cases), resume and TP x DP through the real entry point under
+torchrun.
 
 fp32 must agree to FP32 rounding (the sharded GEMMs sum the same products in another order).
 FP8 levels cannot agree bitwise: every weight shard has its own FP8 scales and amax history,
@@ -17,7 +19,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, tiny_overrides
+from multiproc import rank_env, run_ranks
 
 from training.config import load_config
 from training.loop import pretrain
@@ -41,43 +45,80 @@ def _losses(run_dir):
     return [json.loads(x)["lm loss"] for x in lines]
 
 
-def _single(tiny_data, run_dir, level, **extra):
-    cfg = load_config(
-        str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(tiny_data, run_dir, level, **extra)
-    )
-    pretrain(cfg)
-    return _losses(run_dir)
+# (level, loss bar, tensor-parallel size, sequence parallelism)
+CASES = [
+    ("fp32", 1e-5, 2, False),
+    ("te", 2e-3, 2, False),
+    ("O2", 2e-3, 2, False),
+    ("fp32", 1e-5, 2, True),
+    ("O2", 2e-3, 2, True),
+    ("bf16", 2e-2, 2, True),
+    ("te:bf16", 2e-2, 2, True),  # BF16 activations: bf16's bar
+    ("O2:bf16", 2e-2, 2, False),
+    ("fp16", 1e-3, 2, True),
+    ("fp32", 1e-5, 4, True),
+]
+SHIPPED_TP = str(REPO / "configs/gpt_tiny_tp2_sp.yaml")
+TINY = str(REPO / "configs/gpt_tiny.yaml")
 
 
-@pytest.mark.parametrize(
-    ("level", "rel", "tp", "sp"),
-    [
-        ("fp32", 1e-5, 2, False),
-        ("te", 2e-3, 2, False),
-        ("O2", 2e-3, 2, False),
-        ("fp32", 1e-5, 2, True),
-        ("O2", 2e-3, 2, True),
-        ("bf16", 2e-2, 2, True),
-        ("te:bf16", 2e-2, 2, True),  # BF16 activations: bf16's bar
-        ("O2:bf16", 2e-2, 2, False),
-        ("fp16", 1e-3, 2, True),
-        ("fp32", 1e-5, 4, True),
-    ],
-)
-def test_tp_matches_tp1(tiny_data, tmp_path, level, rel, tp, sp):
+def _case_name(level, tp, sp) -> str:
+    return f"{level}_tp{tp}{'_sp' if sp else ''}"
+
+
+def _reference_name(level, tp) -> str:
+    return f"ref_{level}{'_4heads' if tp == 4 else ''}"
+
+
+def _heads(tp) -> dict:
+    return {"model.num_attention_heads": 4} if tp == 4 else {}
+
+
+def _runs_worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
+    """One rank of every ``(config, overrides)`` job, one after the other (later runs reuse the
+    process group and add their own groups)."""
+    rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    from parallel.topology import destroy_distributed
+
+    for config, overrides in jobs:
+        pretrain(load_config(config, overrides))
+    destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_data, tmp_path_factory) -> dict[str, object]:
+    """Every case of ``CASES``: the sharded run (the shipped TP+SP config with the case's
+    overrides) and its TP=1 reference (``ref_<level>[_4heads]``), as forked ranks: one process
+    for the references, one pair and one quartet for the sharded runs, instead of a torchrun
+    start each."""
+    root = tmp_path_factory.mktemp("tp_runs")
+    by_world: dict[int, list] = {1: []}
+    for level, _, tp, sp in CASES:
+        extra = {**_heads(tp), "parallel.tensor": tp, "parallel.sequence_parallel": str(sp).lower()}
+        run_dir = root / _case_name(level, tp, sp)
+        by_world.setdefault(tp, []).append(
+            (SHIPPED_TP, tiny_overrides(tiny_data, run_dir, level, **extra))
+        )
+        ref = root / _reference_name(level, tp)
+        if ref not in {job[2] for job in by_world[1]}:
+            by_world[1].append((TINY, tiny_overrides(tiny_data, ref, level, **_heads(tp)), ref))
+    by_world[1] = [job[:2] for job in by_world[1]]
+    for world, jobs in sorted(by_world.items()):
+        run_ranks(_runs_worker, world, (jobs,), timeout=400, start_method="fork")
+    return root
+
+
+@pytest.mark.parametrize(("level", "rel", "tp", "sp"), CASES)
+def test_tp_matches_tp1(tp_runs, level, rel, tp, sp):
     """bf16's bar is wider: BF16 GEMM outputs round to 8 bits, and TP sums partial products
     of different shapes, so each step's loss moves by up to a few BF16 ulps (~4e-3 relative).
     fp16 (autocast, 11-bit mantissa) the same way at 2**-11 per rounding: 1e-3 (measured 2e-6)."""
-    extra = {"model.num_attention_heads": 4} if tp == 4 else {}
-    sharded = tmp_path / "tp"
-    overrides = tiny_overrides(
-        tiny_data, sharded, level, **extra,
-        **{"parallel.tensor": tp, "parallel.sequence_parallel": str(sp).lower()},
-    )  # fmt: skip
-    proc = _torchrun(tp, overrides, config=True)
-    assert f"world {tp} (tp {tp} pp 1 dp 1)" in proc.stdout
-    reference = _single(tiny_data, tmp_path / "tp1", level, **extra)
-    assert _losses(sharded) == pytest.approx(reference, rel=rel)
+    sharded = tp_runs / _case_name(level, tp, sp)
+    meta = json.loads((sharded / "checkpoints" / "iter_0000006" / "metadata.json").read_text())
+    assert meta["world_size"] == tp and meta["config"]["parallel"]["tensor"] == tp
+    reference = _losses(tp_runs / _reference_name(level, tp))
+    assert len(reference) == 6 and _losses(sharded) == pytest.approx(reference, rel=rel)
 
 
 def test_tp2_sp_resume_and_tp2_dp2_checkpoint(tiny_data, tmp_path):
