@@ -1,6 +1,6 @@
 """Tensor parallelism end to end against the TP=1 run: every level through ``pretrain`` in
-forked ranks (shared between the cases), resume and TP x DP through the real entry point under
-torchrun.
+forked ranks shared between the cases (the entry point under torchrun with TP is
+tests/test_pipeline_training.py's shipped 3D config), resume under TP+SP, TP x DP.
 
 fp32 must agree to FP32 rounding (the sharded GEMMs sum the same products in another order).
 FP8 levels cannot agree bitwise: every weight shard has its own FP8 scales and amax history,
@@ -14,9 +14,6 @@ bar. The bar, 2e-3, is >10x that and still 15x tighter than the 3% the loss fall
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,19 +22,6 @@ from multiproc import rank_env, run_ranks
 
 from training.config import load_config
 from training.loop import pretrain
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-
-
-def _torchrun(nproc, overrides, timeout=300, config=False):
-    """``config``: run the shipped TP+SP config instead of gpt_tiny (overrides still apply)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    name = "configs/gpt_tiny_tp2_sp.yaml" if config else "configs/gpt_tiny.yaml"
-    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", name,
-                      *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def _losses(run_dir):
@@ -122,6 +106,8 @@ def test_tp_matches_tp1(tp_runs, level, rel, tp, sp):
 
 
 def test_tp2_sp_resume_and_tp2_dp2_checkpoint(tiny_data, tmp_path):
+    """Straight against stopped at 3 and resumed, in one forked pair (the resumed run reads
+    everything from the checkpoint, nothing from the process); then TP2 x DP2 on 4 ranks."""
     # Dropout on, under SP: the per-rank dropout streams must come back from the checkpoint too.
     tp = {
         "parallel.tensor": 2,
@@ -129,18 +115,24 @@ def test_tp2_sp_resume_and_tp2_dp2_checkpoint(tiny_data, tmp_path):
         "model.hidden_dropout": 0.1,
         "model.attention_dropout": 0.1,
     }
-    straight = tmp_path / "straight"
-    _torchrun(2, tiny_overrides(tiny_data, straight, "O2", **tp))
-    resumed = tmp_path / "resumed"
-    _torchrun(2, tiny_overrides(tiny_data, resumed, "O2", **tp, **{"training.exit_interval": 3}))
-    _torchrun(2, tiny_overrides(tiny_data, resumed, "O2", **tp))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    jobs = [
+        (TINY, tiny_overrides(tiny_data, straight, "O2", **tp)),
+        (TINY, tiny_overrides(tiny_data, resumed, "O2", **tp, **{"training.exit_interval": 3})),
+        (TINY, tiny_overrides(tiny_data, resumed, "O2", **tp)),
+    ]
+    run_ranks(_runs_worker, 2, (jobs,), timeout=300, start_method="fork")
     assert _losses(resumed) == _losses(straight)  # per-shard FP8 state, optimizer, RNG restored
+    assert len(_losses(straight)) == 6
 
     both = tmp_path / "tp2dp2"
     extra = {"parallel.tensor": 2, "training.micro_batch_size": 1, "training.global_batch_size": 4}
-    proc = _torchrun(4, tiny_overrides(tiny_data, both, "O2", **extra))
-    assert "world 4 (tp 2 pp 1 dp 2)" in proc.stdout
-    files = {p.name for p in (both / "checkpoints" / "iter_0000006").iterdir()}
+    run_ranks(_runs_worker, 4, ([(TINY, tiny_overrides(tiny_data, both, "O2", **extra))],),
+              timeout=300, start_method="fork")  # fmt: skip
+    checkpoint = both / "checkpoints" / "iter_0000006"
+    meta = json.loads((checkpoint / "metadata.json").read_text())
+    assert meta["world_size"] == 4 and meta["config"]["parallel"]["tensor"] == 2
+    files = {p.name for p in checkpoint.iterdir()}
     assert {"model_tp0.safetensors", "model_tp1.safetensors", "optimizer_tp1.safetensors"} <= files
     record = json.loads((both / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["wire-bytes-per-grad-element"] <= 1.02  # FP8 data-parallel path under TP
