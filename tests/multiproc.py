@@ -39,10 +39,12 @@ __all__ = [
     "full_tensors",
     "tensor_parallel_errors",
     "key_bias_mask",
+    "ADAM_WEIGHT_BAR",
     "reassembled_errors",
     "grad_value",
     "weight_value",
     "launch",
+    "pretrain_ranks",
     "logged_losses",
     "metrics_records",
     "rank_env",
@@ -120,6 +122,28 @@ def run_ranks(
             for process in context.processes:
                 process.kill()
             pytest.fail(f"world-size {world} ranks did not finish in {timeout} s")
+
+
+def _pretrain_worker(rank: int, world: int, port: int, jobs: list) -> None:
+    rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    from parallel.topology import destroy_distributed
+    from training.config import load_config
+    from training.loop import pretrain
+
+    for config, overrides in jobs:  # later runs reuse the process group and add their groups
+        pretrain(load_config(config, overrides))
+    destroy_distributed()
+
+
+def pretrain_ranks(world: int, jobs: list[tuple[str, list[str]]], timeout: float = 300) -> None:
+    """``training.loop.pretrain`` of every ``(config path, overrides)`` job, one after the
+    other, in ``world`` forked ranks: what ``torchrun`` of the entry point does, without a
+    fresh interpreter (and its imports) per rank and job. A job that resumes reads everything
+    from its checkpoint, nothing from the process."""
+    import training.loop  # noqa: F401  (imported once here, inherited by the forked ranks)
+
+    run_ranks(_pretrain_worker, world, (jobs,), timeout=timeout, start_method="fork")
 
 
 def torchrun(
@@ -277,6 +301,18 @@ def key_bias_mask(name: str, value: torch.Tensor, structure: dict) -> torch.Tens
         r = qkv["heads_per_group"]
         mask.view(qkv["query_groups"], r + 2, qkv["head_dim"])[:, r] = True
     return mask
+
+
+# Final weights of two fp32 runs that differ only in FP32 rounding (another layout), after a
+# few AdamW steps: relative L2 error per tensor. Not an FP32-rounding bar, because Adam divides
+# each gradient element by its own RMS: an element whose gradient is near eps in size turns a
+# rounding difference dg into up to dg / (4 eps) of a step (d/dg of g / (|g| + eps) peaks
+# there), so a tensor holding such an element moves by far more than its rounding. Seen: one
+# row of RoBERTa's position embedding (TP=2 + SP, binary head) 5.3e-6 on one CPU, 6.3e-6 under
+# ATEN_CPU_CAPABILITY=default, 1.39e-5 on an AVX-512 Xeon, every other tensor <= 3e-6. The bar
+# is 7x the worst seen and still 1000x below what a layout bug does (a missing reduction or
+# a skipped update moves a tensor by 1e-1 or more); the losses keep the 1e-5 fp32 bar.
+ADAM_WEIGHT_BAR = 1e-4
 
 
 def reassembled_errors(

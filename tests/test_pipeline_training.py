@@ -49,7 +49,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import RunsByWorld, full_tensors, grad_value, launch, rank_env, torchrun
+from multiproc import (
+    RunsByWorld,
+    full_tensors,
+    grad_value,
+    launch,
+    pretrain_ranks,
+    rank_env,
+    torchrun,
+)
 
 STEPS = 3
 LEVELS = ("fp32", "O2")
@@ -117,8 +125,9 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
-    """``results(name, level)`` -> per rank ``(grads, losses)``; spawns each world size's runs
+    """``results(name, level)`` -> per rank ``(grads, losses)``; forks each world size's runs
     once, on first use."""
+    import training.loop  # noqa: F401  (imported once here, inherited by the forked ranks)
 
     def make_runs(world, tmp):
         return {
@@ -128,7 +137,8 @@ def results(tiny_data, tmp_path_factory):
             for lv in LEVELS
         }
 
-    runs = RunsByWorld(_worker, make_runs, tmp_path_factory, "pp", timeout=400)
+    runs = RunsByWorld(_worker, make_runs, tmp_path_factory, "pp", timeout=400,
+                       start_method="fork")  # fmt: skip
     return lambda name, level: [
         (grads, record["losses"]) for grads, record in runs(RUNS[name][0], name, level)
     ]
@@ -222,11 +232,15 @@ def test_pp2_entry_point_resume_checkpoint_and_stage_memory(tiny_data, tmp_path)
     assert {"model_pp0.safetensors", "model_pp1.safetensors"} <= files
     assert {"optimizer_pp0.safetensors", "optimizer_pp1.safetensors"} <= files
 
-    resumed = tmp_path / "resumed"
-    _torchrun(2, tiny_overrides(tiny_data, resumed, "O2", **PP2, **{"training.exit_interval": 3}))
-    assert len(_records(resumed)) == 3
-    proc = _torchrun(2, tiny_overrides(tiny_data, resumed, "O2", **PP2))
-    assert "resumed from" in proc.stdout
+    # Resumed in forked ranks: the straight run above is the entry point's test.
+    resumed, config = tmp_path / "resumed", str(REPO / "configs/gpt_tiny.yaml")
+    stop = {**PP2, "training.exit_interval": 3}
+    pretrain_ranks(2, [(config, tiny_overrides(tiny_data, resumed, "O2", **stop))])
+    first = _records(resumed)
+    assert len(first) == 3
+    pretrain_ranks(2, [(config, tiny_overrides(tiny_data, resumed, "O2", **PP2))])
+    # Resumed, not started over: iterations 1-3 keep the first attempt's records (times too).
+    assert _records(resumed)[:3] == first
     # Both stages' weights, FP8 scaling state, optimizer and RNG come back exactly.
     assert [r["lm loss"] for r in _records(resumed)] == [r["lm loss"] for r in records]
 

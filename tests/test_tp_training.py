@@ -16,12 +16,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from conftest import REPO, tiny_overrides
-from multiproc import rank_env, run_ranks
-
-from training.config import load_config
-from training.loop import pretrain
+from multiproc import pretrain_ranks
 
 
 def _losses(run_dir):
@@ -58,18 +54,6 @@ def _heads(tp) -> dict:
     return {"model.num_attention_heads": 4} if tp == 4 else {}
 
 
-def _runs_worker(rank: int, world: int, port: int, jobs: list[tuple[str, list[str]]]) -> None:
-    """One rank of every ``(config, overrides)`` job, one after the other (later runs reuse the
-    process group and add their own groups)."""
-    rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    from parallel.topology import destroy_distributed
-
-    for config, overrides in jobs:
-        pretrain(load_config(config, overrides))
-    destroy_distributed()
-
-
 @pytest.fixture(scope="module")
 def tp_runs(tiny_data, tmp_path_factory) -> dict[str, object]:
     """Every case of ``CASES``: the sharded run (the shipped TP+SP config with the case's
@@ -89,7 +73,7 @@ def tp_runs(tiny_data, tmp_path_factory) -> dict[str, object]:
             by_world[1].append((TINY, tiny_overrides(tiny_data, ref, level, **_heads(tp)), ref))
     by_world[1] = [job[:2] for job in by_world[1]]
     for world, jobs in sorted(by_world.items()):
-        run_ranks(_runs_worker, world, (jobs,), timeout=400, start_method="fork")
+        pretrain_ranks(world, jobs, timeout=400)
     return root
 
 
@@ -121,14 +105,13 @@ def test_tp2_sp_resume_and_tp2_dp2_checkpoint(tiny_data, tmp_path):
         (TINY, tiny_overrides(tiny_data, resumed, "O2", **tp, **{"training.exit_interval": 3})),
         (TINY, tiny_overrides(tiny_data, resumed, "O2", **tp)),
     ]
-    run_ranks(_runs_worker, 2, (jobs,), timeout=300, start_method="fork")
+    pretrain_ranks(2, jobs)
     assert _losses(resumed) == _losses(straight)  # per-shard FP8 state, optimizer, RNG restored
     assert len(_losses(straight)) == 6
 
     both = tmp_path / "tp2dp2"
     extra = {"parallel.tensor": 2, "training.micro_batch_size": 1, "training.global_batch_size": 4}
-    run_ranks(_runs_worker, 4, ([(TINY, tiny_overrides(tiny_data, both, "O2", **extra))],),
-              timeout=300, start_method="fork")  # fmt: skip
+    pretrain_ranks(4, [(TINY, tiny_overrides(tiny_data, both, "O2", **extra))])
     checkpoint = both / "checkpoints" / "iter_0000006"
     meta = json.loads((checkpoint / "metadata.json").read_text())
     assert meta["world_size"] == 4 and meta["config"]["parallel"]["tensor"] == 2
