@@ -7,6 +7,8 @@ adjacent, so a tensor-parallel group shares a node and its fast links.
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +113,75 @@ class ProcessGroups:
     embedding: dist.ProcessGroup | None = None  # first + last stage (tied embedding copies)
 
 
+def _attempt_store(backend: str) -> dist.Store | None:
+    """The store this start of the workers' process groups rendezvous through, when the
+    launcher's agent shares its own with them (``TORCHELASTIC_USE_AGENT_STORE=True``: plain
+    torchrun); else None, and ``init_process_group`` makes its usual one (rank 0 hosts it at
+    MASTER_ADDR:MASTER_PORT, new for every start of the workers).
+
+    The agent's store outlives the workers: after a rank dies and torchrun restarts them
+    (``--max-restarts``), the dead attempt's keys are still in it, among them every gloo rank's
+    address (nccl's unique id likewise). A restarted rank that reads its peer's key before the
+    peer has written its new one gets the dead process's address: it fails to connect, or
+    waits for a connection that never comes (gloo's timeout: 30 minutes). Each start therefore
+    gets keys of its own, under an id its ranks agree on (``_attempt_id``).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    timeout = (default_pg_nccl_timeout if backend == "nccl" else None) or default_pg_timeout
+    # env:// as init_process_group reads it (MASTER_ADDR/PORT, RANK, WORLD_SIZE): with the
+    # agent's store every rank connects to it as a client.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = _attempt_id(store, rank, world_size, timeout.total_seconds())
+    return dist.PrefixStore(f"fp8train/attempt/{attempt}", store)
+
+
+def _attempt_id(store: dist.Store, rank: int, world_size: int, timeout: float) -> str:
+    """An id that every rank of this start of the workers gets and no earlier start had: rank
+    0's random token. ``TORCHELASTIC_RESTART_COUNT`` is not one: each node's agent counts only
+    the restarts its own workers caused, and one restarted because another node's rank died
+    keeps its count.
+
+    What a dead attempt left in the store may still be there, so every key read here is new
+    to this start or a rank's latest: each rank posts its own token under its rank; rank 0
+    answers the token it reads there (a dead predecessor's, until the live rank has posted)
+    with its own, under that token; the rank confirms under rank 0's token. Rank 0 reads and
+    answers again until every rank has confirmed.
+    """
+    token = uuid.uuid4().hex
+    store.set(f"fp8train/rank/{rank}", token)
+    if rank != 0:
+        answer = f"fp8train/answer/{token}"
+        store.wait([answer])
+        attempt = store.get(answer).decode()
+        store.set(f"fp8train/attempt/{attempt}/joined/{rank}", "1")
+        return attempt
+    answered: dict[int, str] = {}
+    waiting = set(range(1, world_size))
+    deadline = time.monotonic() + timeout
+    while waiting:
+        for peer in sorted(waiting):
+            if store.check([f"fp8train/attempt/{token}/joined/{peer}"]):
+                waiting.discard(peer)
+            elif store.check([f"fp8train/rank/{peer}"]):
+                theirs = store.get(f"fp8train/rank/{peer}").decode()
+                if answered.get(peer) != theirs:
+                    store.set(f"fp8train/answer/{theirs}", token)
+                    answered[peer] = theirs
+        if not waiting:
+            return token
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank(s) {sorted(waiting)} did not join within {timeout:.0f} s "
+                "(torch.distributed rendezvous through the agent's store)"
+            )
+        time.sleep(0.01)
+    return token
+
+
 def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
     """Initialise torch.distributed from torchrun's environment and build the groups.
 
@@ -136,6 +207,9 @@ def init_distributed(tensor: int = 1, pipeline: int = 1, backend: str = "auto"):
     if world_size > 1:
         if not dist.is_initialized():
             kwargs = {"device_id": device} if backend == "nccl" else {}
+            store = _attempt_store(backend)
+            if store is not None:
+                kwargs.update(store=store, rank=rank, world_size=world_size)
             dist.init_process_group(backend=backend, **kwargs)
         groups.world = dist.group.WORLD
         # new_group is collective: every rank creates every group, in the same order.

@@ -5,7 +5,9 @@ The launcher (``python -m training.launcher``, what ``make train`` runs: torchru
 one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
 are logged it gets SIGTERM (a scheduler) or SIGINT (Ctrl-C). Every rank finishes its step,
 they save together, the launcher exits 0 with one line; the same command then resumes and the
-per-iteration losses equal an uninterrupted run's.
+per-iteration losses equal an uninterrupted run's. A rank killed under ``--max-restarts`` is
+restarted, by the launcher or by plain torchrun (whose agent keeps one store across the
+attempts, see parallel/topology.py), and the run ends with the uninterrupted losses.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from conftest import REPO, tiny_overrides
 from multiproc import logged_losses, metrics_records
 
 STEPS = 40
+RESTART_DEADLINE = 150  # s from the kill to the job's end (about 15 s unloaded)
 
 
-def _cmd(data, run_dir, level: str = "fp32") -> list[str]:
+LAUNCHER = "training.launcher"
+TORCHRUN = "torch.distributed.run"  # plain torchrun
+
+
+def _cmd(data, run_dir, level: str = "fp32", launcher: str = LAUNCHER) -> list[str]:
     overrides = tiny_overrides(
         data, run_dir, level,
         **{"training.train_iters": STEPS, "checkpoint.save_interval": 0,
            "training.eval_interval": 1000, "training.eval_iters": 0},
     )  # fmt: skip
-    return [sys.executable, "-m", "training.launcher", "--standalone", "--nproc_per_node", "2",
+    return [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2",
             "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml", *overrides]  # fmt: skip
 
 
@@ -87,49 +94,140 @@ def test_signal_saves_and_resume_continues_the_run(straight, tiny_data, tmp_path
     assert logged_losses(tmp_path) == straight
 
 
-def _worker_pid(launcher_pid: int, rank: int) -> int | None:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+def _children(pid: int) -> list[int]:
+    """Pids of the processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/stat") as fh:
+            with open(f"/proc/{entry}/stat") as fh:
                 ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    for pid in _children(launcher_pid):
+        try:
             with open(f"/proc/{pid}/environ", "rb") as fh:
                 env = fh.read().split(b"\0")
         except OSError:
             continue
-        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
-            return int(pid)
+        if f"RANK={rank}".encode() in env:
+            return pid
     return None
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, the agent first (it would restart its
+    workers). They sit in sessions of their own, out of reach of a signal to the agent's
+    process group, and a worker hung in a gloo rendezvous would not run the handler of the
+    signal its agent's death sends."""
+    tree = [pid]
+    for parent in tree:
+        tree.extend(_children(parent))
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
-@pytest.mark.parametrize("level", ["fp32", "te"])
+@pytest.mark.parametrize(
+    ("launcher", "level"),
+    [(LAUNCHER, "fp32"), (LAUNCHER, "te"), (TORCHRUN, "fp32")],
+    ids=["launcher-fp32", "launcher-te", "torchrun-fp32"],
+)
 def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(
-    straight_runs, tiny_data, tmp_path, level
+    straight_runs, tiny_data, tmp_path, launcher, level
 ):
     """SIGKILL of rank 1 mid-training under --max-restarts 1: the agent restarts both workers,
     they resume from the latest checkpoint (saved every 5 steps), every iteration's logged
     loss equals the uninterrupted run's, and metrics.jsonl holds each iteration once. te too:
-    its FP8 scaling state (amax histories) is restored with the weights."""
-    cmd = _cmd(tiny_data, tmp_path, level)
+    its FP8 scaling state (amax histories) is restored with the weights. Under plain torchrun
+    too, whose agent shares its store with the workers: the restarted ranks must not meet the
+    dead attempt's gloo addresses there (they would fail to connect, or hang). Plain
+    torchrun's agent reports the dead worker with a traceback on the way; only the exit code
+    and the losses count. A hang fails at a deadline, its processes killed."""
+    cmd = _cmd(tiny_data, tmp_path, level, launcher)
     cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
     cmd.append("checkpoint.save_interval=5")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    latest = tmp_path / "checkpoints" / "latest"
-    deadline = time.monotonic() + 240
-    while not (latest.exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 7):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    victim = _worker_pid(proc.pid, 1)
-    assert victim is not None
-    os.kill(victim, signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
+    try:
+        latest = tmp_path / "checkpoints" / "latest"
+        deadline = time.monotonic() + 240
+        while not (latest.exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 7):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.1)
+        victim = _worker_pid(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=RESTART_DEADLINE)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            out, err = proc.communicate()
+            pytest.fail(f"no end {RESTART_DEADLINE} s after the kill (restarted ranks hung?):\n"
+                        + err[-3000:])  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert out.count("resumed from") == 1, out[-3000:]
     assert logged_losses(tmp_path) == straight_runs(level)
     # What the killed attempt logged past its checkpoint was dropped on resume: one record
     # per iteration, in order.
     assert [r["iteration"] for r in metrics_records(tmp_path)] == list(range(1, STEPS + 1))
+
+
+def test_a_restarted_attempt_reads_none_of_the_dead_attempts_keys(monkeypatch):
+    """Under plain torchrun's shared store each start of the workers rendezvouses under keys
+    of its own (parallel/topology.py ``_attempt_id``): what a dead attempt left there (gloo's
+    addresses) is not what a restarted rank reads, whichever rank comes back first.
+    Deterministic, where the test above catches a regression only when the restarted ranks'
+    race goes wrong (about every other run)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from parallel.topology import _attempt_id, _attempt_store
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+
+    def start(first: int) -> str:
+        """Ranks 0 and 1 (``first`` of them 0.3 s ahead) agree on an id; it is returned."""
+        ids = [""] * 2
+
+        def rank(r):
+            client = dist.TCPStore("127.0.0.1", agent.port, is_master=False)
+            ids[r] = _attempt_id(client, r, 2, timeout=30)
+
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+        threads[first].start()
+        time.sleep(0.3)
+        threads[1 - first].start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert ids[0] and ids[0] == ids[1], ids
+        return ids[0]
+
+    dead = start(first=0)
+    dist.PrefixStore(f"fp8train/attempt/{dead}", agent).set("0", "address of a dead rank")
+    # Rank 0 back first reads rank 1's old token; rank 1 back first waits for an answer.
+    restarts = [start(first=0), start(first=1)]
+    assert len({dead, *restarts}) == 3
+    for attempt in restarts:
+        assert not dist.PrefixStore(f"fp8train/attempt/{attempt}", agent).check(["0"])
+    # Without the agent's store (training.launcher, plain processes): torch's own rendezvous.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert _attempt_store("gloo") is None

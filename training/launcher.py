@@ -14,8 +14,11 @@ with one line of its own instead of the agent's tracebacks (what ``make train`` 
   It needs to know the family: the script must be ``pretrain_<family>.py`` of a registered
   family (any other script is launched unchecked; its workers check themselves).
 - ``--max-restarts N``: restarted workers resume from the latest checkpoint. The rendezvous
-  store is not shared with the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): restarted
-  gloo workers could otherwise pick up addresses the dead attempt left in it and hang.
+  store is not shared with the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): each start
+  of the workers gets a store of its own, hosted by rank 0, with nothing in it from a dead
+  attempt. Our workers also cope with the agent's shared store that plain torchrun gives
+  them (parallel/topology.py: keys of their own for each start); a script launched
+  unchecked might not.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def preflight_error(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the docstring
     # This process is the workers' agent: a worker that finds it gone at start-up stops
     # (training/run_lock.py die_with_parent).
     os.environ[AGENT_PID_VAR] = str(os.getpid())
