@@ -1,10 +1,11 @@
 """Damaged inputs to the tools: convert_checkpoint, export_hf, generate, preprocess_data and
 preprocess_images. Each case damages a real file (a tiny GPT saved as a Hugging Face directory
 and imported as a native checkpoint, a JSON-lines corpus, an image folder) the way a full disk
-or a killed copy does, runs the tool's ``main`` and asks for what the pre-flight gives: exit 2,
-one stderr line naming the file (``file:line`` for a JSON line), no traceback, and nothing at
-``--output``. A failure after writing has begun must leave nothing behind either.
-A few seconds in all: the models are built once per module.
+or a killed copy does, or leaves a JSON file that parses but lacks a key the tool needs (or
+holds a value of the wrong type), runs the tool's ``main`` and asks for what the pre-flight
+gives: exit 2, one stderr line naming the file (``file:line`` for a JSON line; and the key),
+no traceback, and nothing at ``--output``. A failure after writing has begun must leave
+nothing behind either. A few seconds in all: the models are built once per module.
 """
 
 from __future__ import annotations
@@ -113,14 +114,54 @@ def writes(data: bytes):
     return lambda path: path.write_bytes(data)
 
 
+DELETE = object()
+
+
+def edits(key: str, value=DELETE):
+    """A damage that still parses: the JSON file's ``key`` (dotted: ``config.parallel.tensor``)
+    is gone, or holds ``value``."""
+
+    def damage(path: Path) -> None:
+        doc = json.loads(path.read_text())
+        *parents, last = key.split(".")
+        obj = doc
+        for name in parents:
+            obj = obj[name]
+        if value is DELETE:
+            del obj[last]
+        else:
+            obj[last] = value
+        path.write_text(json.dumps(doc))
+
+    return damage
+
+
+META = f"{ITER}/metadata.json"
 # case: (the file inside a checkpoints directory, the damage, part of the message)
 NATIVE_DAMAGE = {
     "truncated_model": (f"{ITER}/model.safetensors", truncate, "cannot read checkpoint file"),
-    "garbage_metadata": (f"{ITER}/metadata.json", writes(b'{"config": {},\n  "family": '),
+    "garbage_metadata": (META, writes(b'{"config": {},\n  "family": '),
                          "line 2"),  # a write cut short: the message gives the line
-    "truncated_metadata": (f"{ITER}/metadata.json", truncate, "cannot parse"),
-    "binary_metadata": (f"{ITER}/metadata.json", writes(b"\x00\xff\xfe garbage"), "not UTF-8"),
+    "truncated_metadata": (META, truncate, "cannot parse"),
+    "binary_metadata": (META, writes(b"\x00\xff\xfe garbage"), "not UTF-8"),
     "latest_missing": ("latest", writes(b"iter_0000005\n"), "iter_0000005, which does not exist"),
+    # metadata.json parses, but a key is missing or of the wrong type
+    "no_family": (META, edits("family"), "no key 'family'"),
+    "unknown_family": (META, edits("family", "bert"), "unknown model family 'bert'"),
+    "no_config": (META, edits("config"), "no key 'config'"),
+    "config_a_list": (META, edits("config", []), "'config' must be an object, not []"),
+    "no_tensor_size": (META, edits("config.parallel.tensor"), "no key 'config.parallel.tensor'"),
+    "tensor_size_a_string": (META, edits("config.parallel.tensor", "1"),
+                             "'config.parallel.tensor' must be an integer, not \"1\""),
+    "no_hidden_size": (META, edits("config.model.hidden_size"),
+                       "no key 'config.model.hidden_size'"),  # its default: another model
+    "hidden_size_a_string": (META, edits("config.model.hidden_size", "32"),
+                             "model.hidden_size must be an int, got '32'"),
+    "no_structure": (META, edits("model_structure"), "no key 'model_structure'"),
+    "no_padded_vocab": (META, edits("model_structure.padded_vocab_size"),
+                        "no key 'model_structure.padded_vocab_size'"),
+    "padded_vocab_a_float": (META, edits("model_structure.padded_vocab_size", 128.0),
+                             "'model_structure.padded_vocab_size' must be an integer, not 128.0"),
 }  # fmt: skip
 
 
@@ -139,27 +180,68 @@ def test_damaged_native_checkpoint(capsys, models, tmp_path, tool, case):
 
 # ---- Hugging Face directories: convert to native, generate ---------------------------------
 
-# case: (which directory of ``models``, the file in it, the damage)
+# case: (which directory of ``models``, the file in it, the damage, part of the message)
 HF_DAMAGE = {
-    "truncated_model": ("hf", "model.safetensors", truncate),
-    "garbage_config": ("hf", "config.json", writes(b'{"model_type": "gpt2",\n  "n_embd": 3')),
-    "truncated_shard": ("sharded", SHARDS[1], truncate),
-    "missing_shard": ("sharded", SHARDS[0], Path.unlink),
-    "truncated_index": ("sharded", INDEX, truncate),
-}
+    "truncated_model": ("hf", "model.safetensors", truncate, "cannot read checkpoint file"),
+    "garbage_config": ("hf", "config.json", writes(b'{"model_type": "gpt2",\n  "n_embd": 3'),
+                       "cannot parse"),
+    "truncated_shard": ("sharded", SHARDS[1], truncate, "cannot read checkpoint file"),
+    "missing_shard": ("sharded", SHARDS[0], Path.unlink, "checkpoint file missing"),
+    "truncated_index": ("sharded", INDEX, truncate, "cannot parse"),
+    # config.json parses, but a key is missing or of the wrong type
+    "no_model_type": ("hf", "config.json", edits("model_type"), "no key 'model_type'"),
+    "unknown_model_type": ("hf", "config.json", edits("model_type", "bert"),
+                           "model_type 'bert' is not supported"),
+    "no_n_embd": ("hf", "config.json", edits("n_embd"),
+                  "no key 'n_embd' (a GPT-2 config needs it)"),
+    "n_layer_a_string": ("hf", "config.json", edits("n_layer", "1"),
+                         "'n_layer' must be an integer, not \"1\""),
+    "no_vocab_size": ("hf", "config.json", edits("vocab_size"), "no key 'vocab_size'"),
+    "dropout_null": ("hf", "config.json", edits("resid_pdrop", None),
+                     "'resid_pdrop' must be a number, not null"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("tool", ["convert-native", "generate"])
 @pytest.mark.parametrize("case", sorted(HF_DAMAGE))
 def test_damaged_hf_directory(capsys, models, tmp_path, tool, case):
-    kind, name, damage = HF_DAMAGE[case]
+    kind, name, damage, why = HF_DAMAGE[case]
     hf = tmp_path / "hf"
     shutil.copytree(models[kind], hf)
     damage(hf / name)
     output = tmp_path / "out"
     main, args = _native_command(tool, hf, output)
     err = assert_refused(run(capsys, main, *args), str(hf / name), output)
-    assert err.startswith("error: ")
+    assert why in err and err.startswith("error: ")
+
+
+# The smallest config.json of the other families' Hugging Face imports (read before the
+# weights, which are not there).
+ENCODER_CONFIGS = {
+    "RoBERTa": {"model_type": "roberta", "vocab_size": 100, "max_position_embeddings": 20},
+    "ViT": {"model_type": "vit", "image_size": 32, "patch_size": 16},
+}
+
+
+@pytest.mark.parametrize("tool", ["convert-native", "generate"])
+@pytest.mark.parametrize("model", sorted(ENCODER_CONFIGS))
+@pytest.mark.parametrize(
+    "value, why",
+    [(DELETE, "no key 'hidden_size' (a {} config needs it)"),
+     ([32], "'hidden_size' must be an integer, not [32]")],
+)  # fmt: skip
+def test_encoder_config_lacking_a_key(capsys, tmp_path, tool, model, value, why):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {**ENCODER_CONFIGS[model], "hidden_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 64}  # fmt: skip
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors").write_bytes(b"")
+    edits("hidden_size", value)(hf / "config.json")
+    output = tmp_path / "out"
+    main, args = _native_command(tool, hf, output)
+    err = assert_refused(run(capsys, main, *args), str(hf / "config.json"), output)
+    assert why.format(model) in err
 
 
 # ---- failures after writing has begun --------------------------------------------------------

@@ -49,7 +49,9 @@ embedding replicated on both TP ranks) and PP2 x DP2 (tied embedding on both sta
 parameter counted once. Clipping at O2 (clip_grad 0.05 against a norm of ~1.9, DP=2 and
 TP2 x DP2): norms equal the plain run's within 1e-6 (measured: equal, or one ulp); every owned
 gradient, FP8 slots included, is its unclipped value times clip / (norm + 1e-6) (measured
-1.4e-7) and the plain run's clipped gradient; weights bitwise equal after 3 steps.
+1.4e-7) and the plain run's clipped gradient; weights after 3 steps within the FP8-noise bar
+of the plain run (not bitwise: an ulp of the clip coefficient can flip an FP8 rounding; seen
+on an AVX-512 Xeon).
 
 O3, DP=4, distributed optimizer, every rank: FP8 linear weights cost 3.2502 bytes per parameter
 (weight 1, gradient 1, master 0.5001, moments 0.7502; theory 2 + 5/4 = 3.25; 7.001 without the
@@ -80,6 +82,7 @@ from multiproc import (
     full_tensors,
     grad_value,
     launch,
+    pretrain_ranks,
     rank_env,
     torchrun,
     weight_value,
@@ -120,9 +123,9 @@ RUNS = {
     "pp2_dp2": (4, PP2, ("fp32", "O2"), ()),
     "pp2_dp2_dist": (4, {**PP2, **DIST}, ("fp32", "O2"), ()),
     # Clipping active: gradients captured before and after it.
-    "dp2_clip": (2, CLIP, ("O2",), ("clip",)),
+    "dp2_clip": (2, CLIP, ("fp32", "O2"), ("clip",)),  # fp32: the unit of FP8 noise
     "dp2_dist_clip": (2, {**CLIP, **DIST}, ("O2",), ("clip",)),
-    "tp2_dp2_clip": (4, {**TP2, **CLIP}, ("O2",), ("clip",)),
+    "tp2_dp2_clip": (4, {**TP2, **CLIP}, ("fp32", "O2"), ("clip",)),
     "tp2_dp2_dist_clip": (4, {**TP2, **CLIP, **DIST}, ("O2",), ("clip",)),
     # Overlap: small buckets, 2 micro-batches per replica, every launch recorded.
     "overlap_dist": (2, {**BUCKETS, **DIST}, ("O2",), ("launch",)),
@@ -529,7 +532,14 @@ def test_clipping_sharded_and_fp8_gradients(results, layout):
     """O2, clip_grad 0.05 (the norm is ~1.9, so every step clips): the distributed optimizer's
     norm equals the plain run's at every step (FP32 rounding of the sum's order), every owned
     gradient, FP8 slots included, leaves clipping multiplied by clip / (norm + 1e-6), the
-    clipped gradients equal the plain run's, and so do the weights after 3 steps (bitwise)."""
+    clipped gradients equal the plain run's, and the weights after 3 steps agree to FP8 noise.
+
+    Not bitwise: the distributed optimizer sums its own shard's squares before the
+    all-reduce, the plain run all of them in parameter order, so the norm and with it the clip
+    coefficient may differ in the last bit (equal on one CPU, an ulp apart on an AVX-512
+    Xeon). An E4M3 moment or FP16 weight whose value lands within that ulp of a rounding
+    boundary then rounds the other way, and the steps after carry it on: the weights get the
+    module's FP8-noise bar against the plain run's fp32 twin."""
     plain_layout = layout.replace("_dist", "")
     dist_ranks, plain_ranks = results(layout, "O2"), results(plain_layout, "O2")
     for (grads, rec), (plain_grads, plain_rec) in zip(dist_ranks, plain_ranks):
@@ -543,7 +553,7 @@ def test_clipping_sharded_and_fp8_gradients(results, layout):
                 assert _rel(clipped, grads[f"grad{step}/{name}"] * coef) < 1e-6, (step, name)
                 assert _rel(clipped, plain_grads[f"clipped{step}/{name}"]) < 1e-6, (step, name)
     weights, plain = _merged(dist_ranks), _merged(plain_ranks)
-    assert all(torch.equal(weights[k], plain[k]) for k in plain)
+    _check_fp8(weights, plain, _merged(results(plain_layout, "fp32")), layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,11 +571,11 @@ def test_resume_with_distributed_optimizer(tiny_data, tmp_path):
     optimizer reshards the state."""
     extra = {**DIST, "training.global_batch_size": 4, "precision.fp8_recipe": "delayed"}
     config = ["--config", "configs/gpt_tiny.yaml"]
-    straight = tmp_path / "straight"
-    torchrun(2, config + tiny_overrides(tiny_data, straight, "O2", **extra))
-    resumed = tmp_path / "resumed"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     stop = {**extra, "training.exit_interval": 3}
-    torchrun(2, config + tiny_overrides(tiny_data, resumed, "O2", **stop))
+    # The straight run and the stopped one in forked ranks; the resume through torchrun.
+    pretrain_ranks(2, [(str(REPO / config[1]), tiny_overrides(tiny_data, run, "O2", **kw))
+                       for run, kw in ((straight, extra), (resumed, stop))])  # fmt: skip
     assert [r["iteration"] for r in _records(resumed)] == [1, 2, 3]
     files = {p.name for p in (resumed / "checkpoints" / "iter_0000003").iterdir()}
     assert {"optimizer_dp0.safetensors", "optimizer_dp1.safetensors"} <= files

@@ -11,7 +11,8 @@ Each layout trains it through ``training.loop.pretrain(cfg, family="toy")`` for 
 (4 micro-batches of 2 per step, dropout 0, one evaluation at the end) and is checked against
 the single-process run: every logged loss (training and validation) within 1e-5 relative (the
 fp32 equivalence bar) and every final weight, reassembled from the layout's last checkpoint,
-under the same names and within 1e-5 relative L2 per tensor, except the attention key biases,
+under the same names and within 1e-4 relative L2 per tensor (``multiproc.ADAM_WEIGHT_BAR``:
+Adam magnifies the rounding of near-eps gradient elements), except the attention key biases,
 which are rounding noise in every run and are checked to stay noise-sized (``weight_errors``).
 Layouts: TP=2, TP=2 with sequence parallelism, PP=2, PP=2 x virtual 2 (world size 2, run one
 after the other in one pair of forked ranks). Measured: pipeline losses bitwise equal, weights
@@ -35,7 +36,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import rank_env, reassembled_errors, run_ranks
+from multiproc import ADAM_WEIGHT_BAR, rank_env, reassembled_errors, run_ranks
 from torch import nn
 
 from families import LossSums, ModelFamily, register_family
@@ -321,7 +322,7 @@ def test_losses_match_single_process(runs, layout):
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_final_weights_match_single_process(runs, layout):
     errors, key_bias = weight_errors(runs[layout], runs["single"])
-    assert max(errors.values()) < TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert max(errors.values()) < ADAM_WEIGHT_BAR, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     assert key_bias < 1e-5  # noise: 1% of one Adam step at lr 1e-3
 
 

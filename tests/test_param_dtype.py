@@ -88,11 +88,13 @@ def test_resume_refuses_another_param_dtype_but_finetune_takes_the_weights(tiny_
 
 
 def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_path):
-    """PP=2: the stages exchange BF16 activations. The first two losses are the single
-    process's bit for bit; after that the tied embedding's gradient, summed over the two
-    stages in another order, differs in FP32 rounding, which can flip a BF16 rounding of a
-    weight (2**-8 relative): measured 4.3e-5 relative over 6 steps, bar 1e-3 (bf16's own TP
-    bar is 2e-2)."""
+    """PP=2: the stages exchange BF16 activations. The first loss is the single process's bit
+    for bit (same weights, the same layers on the same shapes, the BF16 stream sent as is);
+    from the first update on, the tied embedding's gradient, summed over the two stages in
+    another order, differs in FP32 rounding, which can flip a BF16 rounding of a weight
+    (2**-8 relative): measured 4.3e-5 relative over 6 steps, bar 1e-3 (bf16's own TP bar is
+    2e-2). (The second loss was equal too on the CPUs tried: Adam's first step is nearly
+    sign(g) * lr, blind to rounding, except for gradient elements near eps in size.)"""
     single = tmp_path / "single"
     _train(tiny_data, single, "te:bf16")
     staged = tmp_path / "pp2"
@@ -107,7 +109,7 @@ def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_p
             json.loads(x)["lm loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
         ]
 
-    assert losses(staged)[:2] == losses(single)[:2]
+    assert losses(staged)[:1] == losses(single)[:1]
     assert losses(staged) == pytest.approx(losses(single), rel=1e-3)
 
 

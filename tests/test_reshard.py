@@ -60,11 +60,13 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
+    import training.loop  # noqa: F401  (imported once here, inherited by the forked ranks)
+
     root = tmp_path_factory.mktemp("reshard")
     source = [
         tiny_overrides(tiny_data, root / f"source_{lv}", lv, **COMMON, **SOURCE) for lv in LEVELS
     ]
-    run_ranks(_worker, 8, (source,), timeout=600)
+    run_ranks(_worker, 8, (source,), timeout=600, start_method="fork")
     # The same step-3 checkpoint converted offline to the TP=4 layout (training/conversion.py).
     convert_native(
         root / "source_O2" / "checkpoints" / "iter_0000003", root / "converted_tp4",
@@ -98,7 +100,7 @@ def runs(tiny_data, tmp_path_factory):
                     **{"checkpoint.load": str(load)},
                 )  # fmt: skip
             )
-    run_ranks(_worker, 4, (resumed,), timeout=600)
+    run_ranks(_worker, 4, (resumed,), timeout=600, start_method="fork")
     return root
 
 
