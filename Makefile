@@ -33,9 +33,10 @@ $(STAMP): requirements.txt
 train: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m training.launcher --standalone --nproc_per_node $(NPROC) --max-restarts $(MAX_RESTARTS) pretrain_$(MODEL).py --config $(CONFIG) $(ARGS)
 
+# --durations=25: the slowest tests close the log, so growth is visible in CI.
 test: venv
 	@echo "fp8train: running the test suite (about 8 minutes on 2 CPU cores; a dot per test)"
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --durations=25
 
 lint: venv
 	$(BIN)/ruff check .

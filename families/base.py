@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # annotations only: families sit below training/
     from models.base import ParallelModel
     from models.context import BuildContext
     from parallel.pipeline.layout import PipelineLayout
+    from training.checkpoint_format import JsonObject
 
 __all__ = [
     "HFImport",
@@ -42,6 +43,7 @@ __all__ = [
     "family_for_hf",
     "family_for_hf_directory",
     "read_hf_config",
+    "encoder_fields_from_hf",
     "DEFAULT_FAMILY",
 ]
 
@@ -123,6 +125,27 @@ class ModelFamily(ABC):
         """Write training checkpoint ``checkpoint`` (any layout, any level) as a Hugging Face
         model directory; returns the directory. Families without an export raise."""
         raise NotImplementedError(f"model family {self.name!r} has no Hugging Face export yet")
+
+    def checkpoint_model(self, checkpoint) -> tuple[JsonObject, Any, dict[str, torch.Tensor]]:
+        """What an export of training checkpoint ``checkpoint`` (any layout, any level) writes
+        out: its ``model_structure``, its model config (``config_from_checkpoint``) and its
+        parameters, full tensors from the canonical format (dequantized; FP8 scaling state
+        left out). A checkpoint of another family raises; a damaged one names its file."""
+        from training.checkpoint_format import reassemble  # the format reader
+        from training.checkpointing import read_metadata
+
+        meta = read_metadata(checkpoint)
+        structure = meta["model_structure"]
+        found = structure.need("family", str, why="the model's family")
+        if found != self.name:
+            raise ValueError(f"{checkpoint} holds a {found!r} model, not {self.name}")
+        config = self.config_from_checkpoint(meta)
+        params = {
+            name: value
+            for name, value in reassemble(checkpoint).items()
+            if ".fp8_" not in f".{name}" and "scale_inv" not in name
+        }
+        return structure, config, params
 
     def loader_workers(self, cfg) -> int:
         """Worker processes that build this run's batches (``data.sampler.micro_batches``);
@@ -235,9 +258,10 @@ def _builtin() -> None:
     import families.vit  # noqa: F401
 
 
-def read_hf_config(directory) -> dict:
+def read_hf_config(directory) -> JsonObject:
     """A Hugging Face model directory's ``config.json``; a missing one raises naming it, as
-    does a damaged one (``CheckpointError``)."""
+    does a damaged one (``CheckpointError``) and, when read, a key it lacks or a value of the
+    wrong type (``JsonObject.need``)."""
     from training.checkpoint_format import read_json  # the format reader: no model code
 
     path = Path(directory) / "config.json"
@@ -246,9 +270,41 @@ def read_hf_config(directory) -> dict:
     return read_json(path)
 
 
+# Hugging Face BERT-style hidden_act -> this project's activation (equal functions only).
+_ENCODER_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
+def encoder_fields_from_hf(hf: JsonObject, *, dropout: float, why: str) -> dict:
+    """The model fields that RoBERTa's and ViT's (BERT-style) ``config.json`` share, read
+    with ``JsonObject.need`` (``why``: who needs a missing key, for the message; ``dropout``:
+    both dropout probabilities' default). An activation without an equal here raises naming
+    the key."""
+    act = hf.need("hidden_act", str, "gelu")
+    if act not in _ENCODER_ACTIVATIONS:
+        raise ValueError(f"{hf.file} hidden_act={act!r}: not one of {sorted(_ENCODER_ACTIVATIONS)}")
+    return dict(
+        num_layers=hf.need("num_hidden_layers", int, why=why),
+        hidden_size=hf.need("hidden_size", int, why=why),
+        num_attention_heads=hf.need("num_attention_heads", int, why=why),
+        ffn_hidden_size=hf.need("intermediate_size", int, why=why),
+        norm_epsilon=hf.need("layer_norm_eps", float, 1e-12),
+        activation=_ENCODER_ACTIVATIONS[act],
+        hidden_dropout=hf.need("hidden_dropout_prob", float, dropout),
+        attention_dropout=hf.need("attention_probs_dropout_prob", float, dropout),
+        init_method_std=hf.need("initializer_range", float, 0.02),
+    )
+
+
 def family_for_hf_directory(directory) -> ModelFamily:
-    """The family importing the Hugging Face model in ``directory`` (by its model_type)."""
-    return family_for_hf(read_hf_config(directory).get("model_type"))
+    """The family importing the Hugging Face model in ``directory`` (by its model_type); a
+    config.json without one, or with one no family imports, raises naming the file."""
+    from training.checkpoint_format import CheckpointError
+
+    hf = read_hf_config(directory)
+    try:
+        return family_for_hf(hf.need("model_type", str, why="it names the architecture"))
+    except ValueError as err:
+        raise CheckpointError(f"{hf.file}: {err}") from None
 
 
 def family_for_hf(model_type: str) -> ModelFamily:

@@ -46,12 +46,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from families.base import read_hf_config
 from models.gpt import GPTConfig, pad_vocab_size
+
+if TYPE_CHECKING:
+    from training.checkpoint_format import JsonObject
 
 __all__ = [
     "config_from_hf",
@@ -141,89 +145,93 @@ def split_grouped_qkv(
 # config.json
 
 
-def _refuse(key: str, value, why: str) -> ValueError:
-    return ValueError(f"config.json {key}={value!r}: {why}")
+def _refuse(hf: JsonObject, key: str, value, why: str) -> ValueError:
+    return ValueError(f"{hf.file} {key}={value!r}: {why}")
 
 
-def _rope_theta(hf: dict) -> float:
+_GPT2, _LLAMA = "a GPT-2 config needs it", "a Llama config needs it"
+
+
+def _rope_theta(hf: JsonObject) -> float:
     """RoPE theta from transformers 5's ``rope_parameters`` or the older ``rope_theta`` +
     ``rope_scaling``; scaled RoPE raises naming the key."""
-    params = hf.get("rope_parameters")
+    params = hf.need("rope_parameters", (dict, None), None)
     key = "rope_parameters"
     if params is None:
-        params, key = hf.get("rope_scaling") or {}, "rope_scaling"
+        params, key = hf.need("rope_scaling", (dict, None), None) or {}, "rope_scaling"
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         type_key = "rope_type" if "rope_type" in params else "type"
         raise _refuse(
-            f"{key}.{type_key}", kind, "only unscaled RoPE (rope_type 'default') is supported"
+            hf, f"{key}.{type_key}", kind, "only unscaled RoPE (rope_type 'default') is supported"
         )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = hf.need("rope_theta", float, 10000.0)
+    return params.need("rope_theta", float, theta) if params else theta
 
 
-def _gpt2_fields(hf: dict) -> dict:
-    act = hf.get("activation_function", "gelu_new")
+def _gpt2_fields(hf: JsonObject) -> dict:
+    act = hf.need("activation_function", str, "gelu_new")
     if act not in _GELU:
-        raise _refuse("activation_function", act, f"not one of {sorted(_GELU)}")
+        raise _refuse(hf, "activation_function", act, f"not one of {sorted(_GELU)}")
     for key, want in (
         ("scale_attn_weights", True),
         ("scale_attn_by_inverse_layer_idx", False),
         ("add_cross_attention", False),
     ):
         if hf.get(key, want) != want:
-            raise _refuse(key, hf[key], f"only {want} is supported")
-    h = hf["n_embd"]
+            raise _refuse(hf, key, hf[key], f"only {want} is supported")
+    h, positions = hf.need("n_embd", int, why=_GPT2), hf.need("n_positions", int, why=_GPT2)
     return dict(
-        num_layers=hf["n_layer"],
+        num_layers=hf.need("n_layer", int, why=_GPT2),
         hidden_size=h,
-        num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        num_attention_heads=hf.need("n_head", int, why=_GPT2),
+        ffn_hidden_size=hf.need("n_inner", (int, None), None) or 4 * h,
         normalization="LayerNorm",
-        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        norm_epsilon=hf.need("layer_norm_epsilon", float, 1e-5),
         activation=_GELU[act],
         add_bias_linear=True,
-        hidden_dropout=hf.get("resid_pdrop", 0.1),
-        attention_dropout=hf.get("attn_pdrop", 0.1),
-        init_method_std=hf.get("initializer_range", 0.02),
-        seq_length=hf["n_positions"],
-        max_position_embeddings=hf["n_positions"],
+        hidden_dropout=hf.need("resid_pdrop", float, 0.1),
+        attention_dropout=hf.need("attn_pdrop", float, 0.1),
+        init_method_std=hf.need("initializer_range", float, 0.02),
+        seq_length=positions,
+        max_position_embeddings=positions,
         position_embedding_type="learned_absolute",
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+        untie_embeddings_and_output_weights=not hf.need("tie_word_embeddings", bool, True),
     )
 
 
-def _llama_fields(hf: dict) -> dict:
-    act = hf.get("hidden_act", "silu")
+def _llama_fields(hf: JsonObject) -> dict:
+    act = hf.need("hidden_act", str, "silu")
     if act not in _SILU:
-        raise _refuse("hidden_act", act, "Llama's MLP here is SwiGLU (silu)")
-    attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+        raise _refuse(hf, "hidden_act", act, "Llama's MLP here is SwiGLU (silu)")
+    attn_bias, mlp_bias = hf.need("attention_bias", bool, False), hf.need("mlp_bias", bool, False)
     if attn_bias != mlp_bias:  # add_bias_linear covers all four GEMMs or none
         key = "attention_bias" if attn_bias else "mlp_bias"
         raise _refuse(
-            key, True, "biases on only the attention or only the MLP GEMMs are not supported "
+            hf, key, True, "biases on only the attention or only the MLP GEMMs are not supported "
             "(add_bias_linear is one switch: attention_bias and mlp_bias must be equal)",
         )  # fmt: skip
-    heads = hf["num_attention_heads"]
-    max_pos = hf.get("max_position_embeddings", 2048)
+    heads = hf.need("num_attention_heads", int, why=_LLAMA)
+    max_pos = hf.need("max_position_embeddings", int, 2048)
     return dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
+        num_layers=hf.need("num_hidden_layers", int, why=_LLAMA),
+        hidden_size=hf.need("hidden_size", int, why=_LLAMA),
         num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim"),  # None -> hidden_size // heads, as Hugging Face
-        ffn_hidden_size=hf["intermediate_size"],
+        num_query_groups=hf.need("num_key_value_heads", (int, None), None) or heads,
+        kv_channels=hf.need("head_dim", (int, None), None),  # None -> hidden_size // heads
+        ffn_hidden_size=hf.need("intermediate_size", int, why=_LLAMA),
         normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        norm_epsilon=hf.need("rms_norm_eps", float, 1e-6),
         activation="swiglu",
-        add_bias_linear=bool(attn_bias),
+        add_bias_linear=attn_bias,
         hidden_dropout=0.0,
-        attention_dropout=hf.get("attention_dropout", 0.0),
-        init_method_std=hf.get("initializer_range", 0.02),
+        attention_dropout=hf.need("attention_dropout", float, 0.0),
+        init_method_std=hf.need("initializer_range", float, 0.02),
         seq_length=max_pos,
         max_position_embeddings=max_pos,
         position_embedding_type="rope",
         rotary_base=_rope_theta(hf),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        untie_embeddings_and_output_weights=not hf.need("tie_word_embeddings", bool, False),
     )
 
 
@@ -232,18 +240,27 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
 
     ``padded_vocab_size`` defaults to the checkpoint's vocabulary padded to a multiple of 128;
     ``seq_length`` to the checkpoint's maximum positions; ``overrides`` (any ``GPTConfig``
-    field) win. Settings this project cannot reproduce raise a ``ValueError`` naming the key.
+    field) win. Settings this project cannot reproduce raise a ``ValueError`` naming the key;
+    a key it needs and the dict lacks, or a value of the wrong type, a ``CheckpointError``
+    naming the file (``read_hf_config``'s; "config.json" for a dict made in memory) and key.
     """
+    from training.checkpoint_format import JsonObject  # the format reader: no model code
+
+    hf = JsonObject.wrap(hf, "config.json")
     kind = hf.get("model_type")
     if kind == "gpt2":
         fields = _gpt2_fields(hf)
     elif kind == "llama":
         fields = _llama_fields(hf)
     else:
-        raise _refuse("model_type", kind, "choose 'gpt2' or 'llama'")
-    fields["vocab_size"] = padded_vocab_size or pad_vocab_size(hf["vocab_size"], 128)
+        raise _refuse(hf, "model_type", kind, "choose 'gpt2' or 'llama'")
+    fields["vocab_size"] = padded_vocab_size or pad_vocab_size(_vocab_size(hf), 128)
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def _vocab_size(hf: JsonObject) -> int:
+    return hf.need("vocab_size", int, why="a GPT-2 or Llama config needs it")
 
 
 def hf_style(config: GPTConfig) -> str:
@@ -496,7 +513,7 @@ def import_directory(directory: str | Path, divisible_by: int = 128):
     """``(GPTConfig, parameters, true vocabulary size, token ids)`` of a Hugging Face GPT-2 or
     Llama directory, its vocabulary padded to a multiple of ``divisible_by`` (zero rows)."""
     hf = read_hf_config(directory)
-    vocab = int(hf["vocab_size"])
+    vocab = _vocab_size(hf)
     config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
     ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     ids = {k: v if isinstance(v, int) else None for k, v in ids.items()}
@@ -509,15 +526,8 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     (dequantized), the model config from the checkpoint's own config and ``model_structure``.
     """
     from families.gpt import GPTFamily
-    from training.checkpoint_format import read_json, reassemble  # the format reader
 
-    meta = read_json(Path(checkpoint) / "metadata.json")
-    structure = meta["model_structure"]
-    if structure.get("family") != "gpt":
-        raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not gpt")
+    structure, config, params = GPTFamily().checkpoint_model(checkpoint)
     if structure.get("vocab_size") is None:
         raise ValueError(f"{checkpoint}: model_structure has no vocab_size (the true vocabulary)")
-    config = GPTFamily().config_from_checkpoint(meta)
-    tensors = reassemble(checkpoint)
-    params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
     return save_hf(directory, params, config, structure["vocab_size"], structure.get("token_ids"))

@@ -30,7 +30,7 @@ import json
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from families.base import (
     HFImport,
     LossSums,
     ModelFamily,
+    encoder_fields_from_hf,
     read_hf_config,
     register_family,
     section_values,
@@ -53,6 +54,9 @@ from families.sections import TextTransformerSection
 from models.gpt import pad_vocab_size
 from models.roberta import RobertaConfig, RobertaModel
 from models.transformer import ACTIVATIONS, NORM_POSITIONS
+
+if TYPE_CHECKING:
+    from training.checkpoint_format import JsonObject
 
 __all__ = [
     "export_checkpoint",
@@ -211,8 +215,7 @@ class RobertaFamily(ModelFamily):
 
     def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
         """``RobertaForMaskedLM``: the vocabulary padded with zero rows."""
-        hf = read_hf_config(directory)
-        vocab = int(hf["vocab_size"])
+        vocab = _vocab_size(read_hf_config(directory))
         config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
         structure = {**self.checkpoint_structure(config), "vocab_size": vocab}
         section = section_values(RobertaModelSection, config)
@@ -285,33 +288,33 @@ _TOP = {
     "lm_head.bias": "lm_bias.bias",
 }
 _VOCAB_ROWS = ("word_embeddings.weight", "lm_bias.bias")
-_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
+_NEEDS = "a RoBERTa config needs it"
+
+
+def _vocab_size(hf: JsonObject) -> int:
+    return hf.need("vocab_size", int, why=_NEEDS)
 
 
 def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> RobertaConfig:
     """A ``RobertaConfig`` from a Hugging Face ``config.json`` dict (post-LN, like the
-    checkpoint); ``padded_vocab_size`` defaults to the checkpoint's vocabulary."""
-    act = hf.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"config.json hidden_act={act!r}: not one of {sorted(_ACTIVATIONS)}")
-    pad = hf.get("pad_token_id", 1)
-    max_pos = hf["max_position_embeddings"]
+    checkpoint); ``padded_vocab_size`` defaults to the checkpoint's vocabulary. A key it
+    needs and the dict lacks, or a value of the wrong type, raises ``CheckpointError`` naming
+    the file and the key."""
+    from training.checkpoint_format import JsonObject  # the format reader: no model code
+
+    hf = JsonObject.wrap(hf, "config.json")
+    pad = hf.need("pad_token_id", int, 1)
+    max_pos = hf.need("max_position_embeddings", int, why=_NEEDS)
     fields = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        ffn_hidden_size=hf["intermediate_size"],
-        norm_epsilon=hf.get("layer_norm_eps", 1e-12),
-        activation=_ACTIVATIONS[act],
+        **encoder_fields_from_hf(hf, dropout=0.1, why=_NEEDS),
         norm_position="post",
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
-        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-        init_method_std=hf.get("initializer_range", 0.02),
         seq_length=max_pos - pad - 1,
         max_position_embeddings=max_pos,
         padding_idx=pad,
-        type_vocab_size=hf.get("type_vocab_size", 1),
-        vocab_size=padded_vocab_size or hf["vocab_size"],
+        type_vocab_size=hf.need("type_vocab_size", int, 1),
+        vocab_size=padded_vocab_size or _vocab_size(hf),
     )
     fields.update(overrides)
     return RobertaConfig(**fields)
@@ -441,13 +444,5 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """A training checkpoint of this family (any parallel layout, any level) as a Hugging Face
     ``RobertaForMaskedLM``: full tensors from the canonical format (dequantized), the model
     config from the checkpoint's own config and ``model_structure``."""
-    from training.checkpoint_format import read_json, reassemble  # the format reader
-
-    meta = read_json(Path(checkpoint) / "metadata.json")
-    structure = meta["model_structure"]
-    if structure.get("family") != "roberta":
-        raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not roberta")
-    config = RobertaFamily().config_from_checkpoint(meta)
-    tensors = reassemble(checkpoint)
-    params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
+    structure, config, params = RobertaFamily().checkpoint_model(checkpoint)
     return save_hf(directory, params, config, structure["vocab_size"])

@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from families.base import (
     HFImport,
     LossSums,
     ModelFamily,
+    encoder_fields_from_hf,
     read_hf_config,
     register_family,
     section_values,
@@ -47,6 +48,9 @@ from families.hf_qkv import fuse_qkv, split_qkv
 from families.sections import TransformerSection
 from models.transformer import ACTIVATIONS
 from models.vit import ViTConfig, ViTModel, interpolate_position_embeddings
+
+if TYPE_CHECKING:
+    from training.checkpoint_format import JsonObject
 
 __all__ = [
     "ViTModelSection",
@@ -201,9 +205,8 @@ class ViTFamily(ModelFamily):
     def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
         """``ViTForImageClassification`` (no vocabulary: ``divisible_by`` is unused); the
         class names come from its ``id2label``."""
-        hf = read_hf_config(directory)
         config, tensors = load_hf(directory)
-        labels = hf.get("id2label") or {}
+        labels = _labels(read_hf_config(directory))
         classes = [labels.get(str(i), labels.get(i)) for i in range(config.num_classes)]
         structure = self.checkpoint_structure(config)
         structure["classes"] = classes if all(c is not None for c in classes) else None
@@ -259,32 +262,28 @@ _TOP = {
     "classifier.weight": "classifier.weight",
     "classifier.bias": "classifier.bias",
 }
-_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
 _LAYER_KEY = re.compile(r"vit\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 
 
+def _labels(hf: JsonObject) -> dict:
+    return hf.need("id2label", (dict, None), None) or {}
+
+
 def config_from_hf(hf: dict, **overrides) -> ViTConfig:
-    """A ``ViTConfig`` from a Hugging Face ``config.json`` dict."""
-    act = hf.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"config.json hidden_act={act!r}: not one of {sorted(_ACTIVATIONS)}")
-    if not hf.get("qkv_bias", True):
-        raise ValueError("config.json qkv_bias=false: this project's ViT has QKV biases")
-    labels = hf.get("id2label") or {}
+    """A ``ViTConfig`` from a Hugging Face ``config.json`` dict. A key it needs and the dict
+    lacks, or a value of the wrong type, raises ``CheckpointError`` naming the file and the
+    key."""
+    from training.checkpoint_format import JsonObject  # the format reader: no model code
+
+    hf = JsonObject.wrap(hf, "config.json")
+    if not hf.need("qkv_bias", bool, True):
+        raise ValueError(f"{hf.file} qkv_bias=false: this project's ViT has QKV biases")
     fields = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        ffn_hidden_size=hf["intermediate_size"],
-        norm_epsilon=hf.get("layer_norm_eps", 1e-12),
-        activation=_ACTIVATIONS[act],
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.0),
-        attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
-        init_method_std=hf.get("initializer_range", 0.02),
-        image_size=hf.get("image_size", 224),
-        patch_size=hf.get("patch_size", 16),
-        num_channels=hf.get("num_channels", 3),
-        num_classes=hf.get("num_labels") or len(labels) or 2,
+        **encoder_fields_from_hf(hf, dropout=0.0, why="a ViT config needs it"),
+        image_size=hf.need("image_size", int, 224),
+        patch_size=hf.need("patch_size", int, 16),
+        num_channels=hf.need("num_channels", int, 3),
+        num_classes=hf.need("num_labels", (int, None), None) or len(_labels(hf)) or 2,
     )
     fields.update(overrides)
     return ViTConfig(**fields)
@@ -405,15 +404,7 @@ def load_hf(directory: str | Path, image_size: int | None = None):
 def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """A training checkpoint of this family (any layout, any level) as a Hugging Face
     ``ViTForImageClassification`` (full tensors from the canonical format)."""
-    from training.checkpoint_format import read_json, reassemble  # the format reader
-
-    meta = read_json(Path(checkpoint) / "metadata.json")
-    structure = meta["model_structure"]
-    if structure.get("family") != "vit":
-        raise ValueError(f"{checkpoint} holds a {structure.get('family')!r} model, not vit")
-    config = ViTFamily().config_from_checkpoint(meta)
-    tensors = reassemble(checkpoint)
-    params = {k: v for k, v in tensors.items() if ".fp8_" not in f".{k}" and "scale_inv" not in k}
+    structure, config, params = ViTFamily().checkpoint_model(checkpoint)
     return save_hf(directory, params, config, structure.get("classes"))
 
 

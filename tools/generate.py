@@ -241,7 +241,12 @@ def _run(args) -> None:
     from data.tokenizer import load_tokenizer
     from models import load_pretrained
     from models.gpt import GPTModel
+    from training.checkpointing import checkpoint_config, read_metadata, resolve_checkpoint
 
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        # A native checkpoint: a damaged saved config is named (file and key) before a model
+        # is built from it.
+        checkpoint_config(read_metadata(resolve_checkpoint(args.checkpoint)), ("model",))
     model = load_pretrained(args.checkpoint, device=args.device)
     if not isinstance(model, GPTModel):
         name = type(getattr(model, "model", model)).__name__

@@ -27,6 +27,8 @@ The reader below imports only torch, safetensors and json: it is the reference f
 reshard or convert checkpoints. Every file it reads goes through ``read_json`` or
 ``open_safetensors``, which refuse a missing, truncated or garbled file with one
 ``CheckpointError`` line naming it (the pre-flight, the loader and the tools all read this way).
+A JSON object comes back as a ``JsonObject``: a key it lacks, or a value of the wrong type
+(``JsonObject.need``), is one such line too, naming the file and the key.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from safetensors.torch import save_file
 
 __all__ = [
     "CheckpointError",
+    "MissingKeyError",
+    "JsonObject",
     "read_json",
     "open_safetensors",
     "load_safetensors",
@@ -70,14 +74,98 @@ class CheckpointError(RuntimeError):
     line naming the file."""
 
 
+class MissingKeyError(CheckpointError, KeyError):
+    """A key a JSON file lacks: a ``CheckpointError`` naming the file and the key, and a
+    ``KeyError`` as from a plain dict."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0])
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def read_json(path: str | Path) -> dict:
+_REQUIRED = object()
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               dict: "an object", list: "a list", type(None): "null"}  # fmt: skip
+
+
+class JsonObject(dict):
+    """A JSON object of file ``file`` (``read_json``), at ``where`` in it (the dotted keys
+    leading there, "" at the top); the objects inside are ``JsonObject`` too. A key it lacks
+    (``obj[key]``) raises ``MissingKeyError`` naming the file and the key: 'no key
+    'config.parallel.tensor'' rather than a bare ``KeyError: 'tensor'``; ``need`` checks the
+    value's type as well. ``.get`` and ``in`` behave as for any dict."""
+
+    def __init__(self, items: dict, file: str | Path, where: str = ""):
+        super().__init__()
+        self.file, self.where = file, where
+        for key, value in items.items():
+            self[key] = (
+                JsonObject(value, file, self._name(key)) if isinstance(value, dict) else value
+            )
+
+    @classmethod
+    def wrap(cls, value: dict, file: str | Path, where: str = "") -> JsonObject:
+        """``value`` itself when it is a ``JsonObject``, else a ``JsonObject`` of it (a dict
+        made in memory, e.g. a ``transformers`` config's ``to_dict()``) named ``file``."""
+        return value if isinstance(value, JsonObject) else cls(value, file, where)
+
+    def _name(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else str(key)
+
+    def __missing__(self, key: str):
+        raise self._missing(key)
+
+    def _missing(self, key: str, why: str = "") -> MissingKeyError:
+        return MissingKeyError(
+            f"{self.file}: no key '{self._name(key)}'" + (f" ({why})" if why else "")
+        )
+
+    def need(self, key: str, kind: type | tuple, default=_REQUIRED, *, why: str = ""):
+        """The value at ``key``, of ``kind``: a type or a tuple of them, ``None`` in it
+        allowing null; a float may be written as an integer (returned as a float), an
+        integer never as true/false. A missing key gives ``default`` when one is given, else
+        raises ``MissingKeyError`` (``why``: who needs it, for the message); a value of
+        another kind raises ``CheckpointError`` naming the file and the key."""
+        if key not in self:
+            if default is not _REQUIRED:
+                return default
+            raise self._missing(key, why)
+        value = self[key]
+        kinds = tuple(
+            type(None) if k is None else k for k in (kind if isinstance(kind, tuple) else (kind,))
+        )
+        if float in kinds and type(value) is int:
+            value = float(value)
+        bool_for_int = isinstance(value, bool) and int in kinds and bool not in kinds
+        if bool_for_int or not isinstance(value, kinds):
+            shown = json.dumps(value, default=str)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            words = " or ".join(_KIND_WORDS[k] for k in kinds)
+            raise CheckpointError(f"{self.file}: '{self._name(key)}' must be {words}, not {shown}")
+        return (
+            JsonObject.wrap(value, self.file, self._name(key)) if isinstance(value, dict) else value
+        )
+
+    def check(self, kinds: dict) -> None:
+        """Check the keys present against ``kinds``: key -> a kind as for ``need``, or a dict
+        of them for an object whose own keys are checked the same way. An absent key is named
+        where it is needed (``obj[key]``, ``need``), not here."""
+        for key, kind in kinds.items():
+            if key in self:
+                if isinstance(kind, dict):
+                    self.need(key, dict).check(kind)
+                else:
+                    self.need(key, kind)
+
+
+def read_json(path: str | Path) -> JsonObject:
     """The JSON object in file ``path`` (metadata.json, a Hugging Face config or index). A
     missing or unreadable file, bytes that are not UTF-8, text that does not parse (the
-    message gives the line) or a value that is not an object raise ``CheckpointError``."""
+    message gives the line) or a value that is not an object raise ``CheckpointError``; the
+    object comes back as a ``JsonObject`` naming ``path`` for a key it lacks."""
     path = Path(path)
     try:
         value = json.loads(path.read_bytes().decode("utf-8"))
@@ -94,7 +182,7 @@ def read_json(path: str | Path) -> dict:
         raise CheckpointError(f"cannot parse {path}: {_one_line(exc)}") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"cannot parse {path}: a JSON {type(value).__name__}, not an object")
-    return value
+    return JsonObject(value, path)
 
 
 @contextmanager

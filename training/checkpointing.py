@@ -26,6 +26,7 @@ the previous checkpoint current and a ``.tmp_*`` directory that the next save re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from safetensors.torch import save_file
 from training.checkpoint_format import (
     FORMAT_VERSION,
     CheckpointError,
+    JsonObject,
     load_safetensors,
     read_json,
     slice_suffix,
@@ -62,6 +64,7 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     "read_metadata",
+    "checkpoint_config",
     "resolve_checkpoint",
     "check_format",
 ]
@@ -378,9 +381,73 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    """The checkpoint's metadata.json; a missing or corrupt file raises naming it."""
-    return read_json(Path(path) / "metadata.json")
+# The kinds of metadata.json's values that readers use (``JsonObject.check``), checked where
+# present: a key that is absent is named where it is needed. ``config``: what the tools read
+# before (or without) checking the saved config (``checkpoint_config``): the layout and the
+# tokenizer; ``model_structure``: what any family writes there (``checkpoint_structure``).
+_METADATA_KINDS = {
+    "family": str,
+    "iteration": int,
+    "consumed_samples": int,
+    "world_size": int,
+    "weights_only": str,
+    "counters": dict,
+    "scheduler": dict,
+    "loss_scaler": dict,
+    "config": {
+        "parallel": {"tensor": int, "pipeline": int, "virtual_pipeline": (int, None)},
+        "optimizer": {"distributed": bool},
+        "model": dict,
+        "data": {"corpus": str, "cache_dir": str, "vocab_size": int,
+                 "tokenizer_model": (str, None), "tokenizer_type": str},
+        "training": {"seed": int},
+    },
+    "model_structure": {
+        "family": str, "fused": dict, "vocab_size": (int, None), "padded_vocab_size": int,
+        "vocab_tensors": list, "token_ids": (dict, None), "padding_idx": int,
+        "norm_position": str, "image_size": int, "patch_size": int, "num_channels": int,
+        "num_classes": int, "classes": (list, None), "mean": (list, None), "std": (list, None),
+    },
+}  # fmt: skip
+
+
+def read_metadata(path: str | os.PathLike) -> JsonObject:
+    """The checkpoint's metadata.json. A missing or corrupt file raises naming it, as does a
+    value of the wrong kind (``_METADATA_KINDS``) or a ``family`` no registered model family
+    has, naming the key too; a key a reader needs and the file lacks raises where it is
+    read (``JsonObject``)."""
+    metadata = read_json(Path(path) / "metadata.json")
+    metadata.check(_METADATA_KINDS)
+    if "family" in metadata:
+        from families.base import get_family
+
+        try:
+            get_family(metadata["family"])
+        except ValueError as err:
+            raise CheckpointError(f"{metadata.file}: {err}") from None
+    return metadata
+
+
+def checkpoint_config(metadata: JsonObject, sections: tuple[str, ...] | None = None):
+    """The run config (``training.config.Config``) a checkpoint was saved with: its
+    metadata's ``config`` of its ``family``, complete in its ``model`` section (a model key
+    left to its default would build another model than the tensors') and checked as a run's
+    config is; ``sections``: only those (the others at their defaults), e.g. ``("model",)``
+    for a reader that only builds the model. A problem is one ``CheckpointError`` naming
+    metadata.json and the key."""
+    from families.base import get_family
+    from training.config import ConfigError, config_from_dict
+
+    family = get_family(metadata["family"])
+    saved = metadata["config"]
+    for field in dataclasses.fields(family.model_section):
+        saved["model"].need(field.name, object, why="the model is built from it")
+    try:
+        return config_from_dict(
+            saved if sections is None else {name: saved[name] for name in sections}, family.name
+        )
+    except ConfigError as err:
+        raise CheckpointError(f"{metadata.file}: {err}") from None
 
 
 def check_format(path: str | os.PathLike, metadata: dict) -> None:

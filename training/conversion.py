@@ -38,7 +38,12 @@ from training.checkpoint_format import (
     write_tensors,
     write_tensors_streaming,
 )
-from training.checkpointing import CheckpointError, read_metadata, resolve_checkpoint
+from training.checkpointing import (
+    CheckpointError,
+    checkpoint_config,
+    read_metadata,
+    resolve_checkpoint,
+)
 from training.config import config_from_dict, config_to_dict
 from training.optimizer import parameter_owners, trainable_parameters
 from training.reshard import SourceCheckpoint, Target, optimizer_targets, reshard_iter
@@ -174,6 +179,7 @@ def convert_native(
     source = SourceCheckpoint(resolve_checkpoint(source_path))
     meta = source.metadata
     family = get_family(meta["family"])
+    checkpoint_config(meta)  # the saved config: a damaged one is named before the new layout's
     new_meta, cfg = _target_metadata(meta, family, layout)
     model_config = family.config_from_checkpoint(new_meta)
     weights_only = bool(meta.get("weights_only"))
@@ -266,6 +272,7 @@ def export_hf(source_path: str | Path, output: str | Path, progress: Progress = 
     checkpoint = resolve_checkpoint(source_path)
     meta = read_metadata(checkpoint)
     SourceCheckpoint(checkpoint, kinds=("model",))  # what the export reads: refused here
+    checkpoint_config(meta, ("model",))
     family = get_family(meta["family"])
     with output_folder(output, owned=True) as root:
         out = family.export_hf(checkpoint, root)
