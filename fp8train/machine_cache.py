@@ -110,20 +110,31 @@ def remember(
     value instead of fixing a low one for good (seen: a peak measured while the test suite ran
     put MFU at 99%)."""
     path, key = cache_file(), machine_key(device)
-    if best is None:
-        entry = _read(path).get(key, {}).get(what)
-        if entry is not None:  # the common case: no lock taken
-            return entry["value"], f"cached in {path}, measured {entry['when']}"
+    if best is not None:
+        # Every process measures anyway, at the same time (serialised, the ranks of a run
+        # would wait for each other); only the read-compare-write takes the lock.
+        value = measure()
+        with _locked(path):
+            entry = _read(path).get(key, {}).get(what)
+            if entry is not None:
+                kept = best(entry["value"], value)
+                if kept == entry["value"]:
+                    return (
+                        kept,
+                        f"best measured on this machine ({entry['when']}), cached in {path}",
+                    )
+                value = kept
+            if _store(path, key, what, value) is None:
+                return value, "measured now (cache not writable)"
+        return value, f"measured now, cached in {path}"
+    entry = _read(path).get(key, {}).get(what)
+    if entry is not None:  # the common case: no lock taken
+        return entry["value"], f"cached in {path}, measured {entry['when']}"
     with _locked(path):
         entry = _read(path).get(key, {}).get(what)
-        if entry is not None and best is None:  # stored while this process waited
+        if entry is not None:  # stored while this process waited
             return entry["value"], f"cached in {path}, measured {entry['when']}"
         value = measure()
-        if entry is not None:
-            kept = best(entry["value"], value)
-            if kept == entry["value"]:
-                return kept, f"best measured on this machine ({entry['when']}), cached in {path}"
-            value = kept
         if _store(path, key, what, value) is None:
             return value, "measured now (cache not writable)"
     return value, f"measured now, cached in {path}"

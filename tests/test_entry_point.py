@@ -33,9 +33,9 @@ def _records(run_dir):
 
 def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     two = tmp_path / "two"
-    overrides = tiny_overrides(
-        tiny_data, two, "fp32", **{"training.micro_batch_size": 1, "training.global_batch_size": 2}
-    )
+    # logging.peak_tflops=null: MFU against the CPU's measured matmul rate, as in make train.
+    batch = {"training.micro_batch_size": 1, "training.global_batch_size": 2}
+    overrides = tiny_overrides(tiny_data, two, "fp32", **batch, **{"logging.peak_tflops": "null"})
     cmd = TORCHRUN + [
         "--nproc_per_node",
         "2",
@@ -47,6 +47,7 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2 (tp 1 pp 1 dp 2)" in proc.stdout
+    assert "MFU peak" in proc.stdout and "(fp32 matmul rate of " in proc.stdout
     # The start-up line says where everything goes; each console line has an ETA.
     assert f"> run: metrics {two}/metrics.jsonl, TensorBoard {two}/tensorboard, checkpoints " in (
         proc.stdout
