@@ -10,9 +10,9 @@ checkpoint (and on the HF directory) must give transformers' logits at fp32 (max
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +22,10 @@ from conftest import REPO, tiny_overrides
 from safetensors.torch import load_file
 
 from models import load_pretrained
+from tools.convert_checkpoint import main as convert_main
 
 V, H, LAYERS, HEADS, KV, POSITIONS = 1000, 32, 2, 4, 2, 32
 LOGIT_TOL = 1e-4
-TOOL = [sys.executable, str(REPO / "tools/convert_checkpoint.py")]
 
 
 def _hf_model(kind: str):
@@ -80,11 +80,14 @@ def _save_tokenizer(kind: str, directory) -> list[str]:
     return sorted(p.name for p in map(Path, fast.save_pretrained(directory)))
 
 
-def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(TOOL + list(args), capture_output=True, text=True, timeout=300)
-    if ok:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def _convert(*args: str) -> str:
+    """``tools/convert_checkpoint.py ARGS`` through its ``main`` in this process (no fresh
+    interpreter and imports per call); what it wrote to stderr. It must succeed."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = convert_main(list(args))
+    assert code == 0, err.getvalue()[-3000:]
+    return err.getvalue()
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "roberta", "vit"])
@@ -101,9 +104,9 @@ def converted(request, tmp_path_factory):
     model.save_pretrained(root / "hf")
     _save_tokenizer(kind, root / "hf")
     native, back = root / "native", root / "back"
-    proc = _convert("--input", str(root / "hf"), "--output", str(native), "--format", "native",
-                    "--tensor", "2", "--pipeline", "2")  # fmt: skip
-    assert "[1/" in proc.stderr  # progress, one line per tensor
+    err = _convert("--input", str(root / "hf"), "--output", str(native), "--format", "native",
+                   "--tensor", "2", "--pipeline", "2")  # fmt: skip
+    assert "[1/" in err  # progress, one line per tensor
     _convert("--input", str(native), "--output", str(back), "--format", "hf")
     return kind, root / "hf", native, back
 
