@@ -6,8 +6,8 @@ regrouped as ``parallel.tensor_parallel.layers.shard_from_full`` shards them, pe
 per-shard ``scale_inv``, pipeline and data-parallel copies, a missing shard), written with
 ``write_tensors`` and read back with ``reassemble``.
 
-Acceptance: the tiny GPT trained 3 steps through ``pretrain_gpt.py`` at TP=2 x PP=2 (4 ranks,
-torchrun) and in one process, same seed, data and config, fp32. The model combines every
+Acceptance: the tiny GPT trained 3 steps by ``training.loop.pretrain`` at TP=2 x PP=2 (4
+forked ranks) and in one process, same seed, data and config, fp32. The model combines every
 layout feature at once: 4 layers (2 per stage), a tied embedding (the last stage stores a
 pipeline copy), SwiGLU (``fc1`` = [gate | up]: blocks=2, weight and bias), grouped-query
 attention (4 heads in 2 groups, one group per TP rank), column and row splits. Both final
@@ -50,7 +50,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import torchrun
+from multiproc import pretrain_ranks
 from safetensors.torch import load_file, save_file
 
 from training.checkpoint_format import (
@@ -303,8 +303,8 @@ KEY_BIAS_NOISE = 1e-5
 @pytest.fixture(scope="module")
 def checkpoint(tiny_data, tmp_path_factory):
     """``checkpoint(name)``: the final checkpoint of run ``name`` of ``RUNS``, trained once.
-    Single-process runs train in this process (as tests/test_tp_training.py's reference
-    runs), the others through ``pretrain_gpt.py`` under torchrun."""
+    Single-process runs train in this process, the others in forked ranks
+    (``multiproc.pretrain_ranks``)."""
     done = {}
 
     def get(name):
@@ -318,7 +318,7 @@ def checkpoint(tiny_data, tmp_path_factory):
 
                 pretrain(load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides))
             else:
-                torchrun(ranks, ["--config", "configs/gpt_tiny.yaml", *overrides])
+                pretrain_ranks(ranks, [(str(REPO / "configs/gpt_tiny.yaml"), overrides)])
             done[name] = run_dir / "checkpoints" / f"iter_{STEPS:07d}"
         return done[name]
 
