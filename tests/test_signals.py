@@ -140,8 +140,10 @@ def _kill_tree(pid: int) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
 @pytest.mark.parametrize(
     ("launcher", "level"),
-    [(LAUNCHER, "fp32"), (LAUNCHER, "te"), (TORCHRUN, "fp32")],
-    ids=["launcher-fp32", "launcher-te", "torchrun-fp32"],
+    # Both launchers and both levels (fp32; te, whose FP8 scaling state must come back too),
+    # in two runs rather than four.
+    [(LAUNCHER, "te"), (TORCHRUN, "fp32")],
+    ids=["launcher-te", "torchrun-fp32"],
 )
 def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(
     straight_runs, tiny_data, tmp_path, launcher, level
