@@ -78,9 +78,9 @@ def _locked(path: Path) -> Iterator[None]:
             handle.close()
 
 
-def _store(path: Path, key: str, what: str, value: object) -> str | None:
-    """Write ``value`` for ``(key, what)`` atomically; the time stored, or None if the cache
-    cannot be written (then the next process simply measures again)."""
+def _store(path: Path, key: str, what: str, value: object) -> bool:
+    """Write ``value`` for ``(key, what)`` atomically; False if the cache cannot be written
+    (then the next process simply measures again)."""
     when = time.strftime("%Y-%m-%d %H:%M")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,8 +90,8 @@ def _store(path: Path, key: str, what: str, value: object) -> str | None:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
         os.replace(tmp, path)
     except OSError:
-        return None
-    return when
+        return False
+    return True
 
 
 def remember(
@@ -124,7 +124,7 @@ def remember(
                         f"best measured on this machine ({entry['when']}), cached in {path}",
                     )
                 value = kept
-            if _store(path, key, what, value) is None:
+            if not _store(path, key, what, value):
                 return value, "measured now (cache not writable)"
         return value, f"measured now, cached in {path}"
     entry = _read(path).get(key, {}).get(what)
@@ -135,6 +135,6 @@ def remember(
         if entry is not None:  # stored while this process waited
             return entry["value"], f"cached in {path}, measured {entry['when']}"
         value = measure()
-        if _store(path, key, what, value) is None:
+        if not _store(path, key, what, value):
             return value, "measured now (cache not writable)"
     return value, f"measured now, cached in {path}"

@@ -98,6 +98,18 @@ def test_undamaged_inputs_convert(capsys, models, tmp_path):
 # ---- native checkpoints: convert (to hf and native), export_hf, generate --------------------
 
 
+def _refuses_a_damaged_copy(capsys, source: Path, tmp_path, name, damage, tool, why) -> None:
+    """``tool`` on a copy of ``source`` whose file ``name`` got ``damage``: refused in one
+    line naming that file and saying ``why``, nothing at the output."""
+    copy = tmp_path / source.name
+    shutil.copytree(source, copy)
+    damage(copy / name)
+    output = tmp_path / "out"
+    main, args = _native_command(tool, copy, output)
+    err = assert_refused(run(capsys, main, *args), str(copy / name), output)
+    assert why in err and err.startswith("error: ")
+
+
 def _native_command(tool: str, source: Path, output: Path) -> tuple:
     if tool == "convert-hf":
         return convert_main, ["--input", source, "--output", output, "--format", "hf"]
@@ -168,14 +180,8 @@ NATIVE_DAMAGE = {
 @pytest.mark.parametrize("tool", ["convert-hf", "convert-native", "export", "generate"])
 @pytest.mark.parametrize("case", sorted(NATIVE_DAMAGE))
 def test_damaged_native_checkpoint(capsys, models, tmp_path, tool, case):
-    native = tmp_path / "native"
-    shutil.copytree(models["native"], native)
     name, damage, why = NATIVE_DAMAGE[case]
-    damage(native / name)
-    output = tmp_path / "out"
-    main, args = _native_command(tool, native, output)
-    err = assert_refused(run(capsys, main, *args), str(native / name), output)
-    assert why in err and err.startswith("error: ")
+    _refuses_a_damaged_copy(capsys, models["native"], tmp_path, name, damage, tool, why)
 
 
 # ---- Hugging Face directories: convert to native, generate ---------------------------------
@@ -206,13 +212,7 @@ HF_DAMAGE = {
 @pytest.mark.parametrize("case", sorted(HF_DAMAGE))
 def test_damaged_hf_directory(capsys, models, tmp_path, tool, case):
     kind, name, damage, why = HF_DAMAGE[case]
-    hf = tmp_path / "hf"
-    shutil.copytree(models[kind], hf)
-    damage(hf / name)
-    output = tmp_path / "out"
-    main, args = _native_command(tool, hf, output)
-    err = assert_refused(run(capsys, main, *args), str(hf / name), output)
-    assert why in err and err.startswith("error: ")
+    _refuses_a_damaged_copy(capsys, models[kind], tmp_path, name, damage, tool, why)
 
 
 # The smallest config.json of the other families' Hugging Face imports (read before the
