@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import struct
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -51,15 +52,39 @@ def _dtype_from_code(idx_path: str, code: int) -> np.dtype:
 
 
 def import_megatron(name: str):
-    """Import a megatron.core module without its import-time warnings.
+    """Import a megatron.core module without its import-time warnings and fusion compiles.
 
-    Importing anything under megatron.core loads the whole package (about 3 s), which warns
-    that Transformer Engine and Apex are absent; they are never needed by the data layer.
-    Kept lazy so that ``import data`` and a data-cache hit stay fast.
+    Importing anything under megatron.core loads the whole package, which warns that
+    Transformer Engine and Apex are absent; they are never needed here. Kept lazy so that
+    ``import data`` and a data-cache hit stay fast.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+        if "megatron.core" not in sys.modules:
+            _import_core_uncompiled()
         return importlib.import_module(name)
+
+
+def _leave_uncompiled(model=None, **_options):
+    """``torch.compile``'s signature, compiling nothing (bare decorator or with options)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def _import_core_uncompiled() -> None:
+    """megatron.core's ``__init__`` imports its fusion modules, whose ``@jit_fuser`` is
+    ``torch.compile``: merely decorating loads torch._dynamo and torch._inductor, about 2.5 s
+    per process on a 2-core CPU plus 1.5 s more at exit, in every rank of every run. We use
+    its datasets and LR scheduler, none of those fusions, so for this one import
+    ``torch.compile`` leaves functions as they are (megatron's ``jit_fuser`` keeps that
+    identity in this process; ``torch.compile`` itself is restored)."""
+    import torch
+
+    compile_fn = torch.compile
+    torch.compile = _leave_uncompiled
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_fn
 
 
 @dataclass(frozen=True)

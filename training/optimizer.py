@@ -9,10 +9,11 @@ accumulation never rounds to BF16) and steps FP32 master copies, then copies the
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from data.indexed import import_megatron
 from fp8train.linear import Linear
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
@@ -25,6 +26,9 @@ from parallel.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "TrainOptimizer",
@@ -320,7 +324,8 @@ def build_scheduler(
     ``warmup_iters``: default ``opt_cfg.lr_warmup_iters`` (the config's resolved value)."""
     if warmup_iters is None:
         warmup_iters = opt_cfg.lr_warmup_iters or 0
-    return OptimizerParamScheduler(
+    scheduler_module = import_megatron("megatron.core.optimizer_param_scheduler")
+    return scheduler_module.OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=opt_cfg.lr,
