@@ -2,9 +2,9 @@
 
 Two torchrun agents on this machine (``python -m training.launcher``, what ``make train``
 runs), each with 2 workers, join by c10d rendezvous on 127.0.0.1: a 2 nodes x 2 processes
-world. The same config on one node of 4 processes (``--standalone``) is the reference: same
-seed, same data, the same global ranks doing the same work, so every logged loss and every
-tensor of the final checkpoint must be bitwise equal. The node that hosts the rendezvous store
+world. The same config on one node of 4 processes is the reference: same seed, same data, the
+same global ranks doing the same work, so every logged loss and every tensor of the final
+checkpoint must be bitwise equal. The node that hosts the rendezvous store
 is named explicitly (``is_host``), as on a cluster where the endpoint is the first node.
 """
 
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import free_port, metrics_records
+from multiproc import free_port, metrics_records, pretrain_ranks
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 LAUNCHER = [sys.executable, "-m", "training.launcher"]
@@ -45,11 +45,10 @@ def _checkpoint_tensors(run_dir) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_node(tiny_data, tmp_path_factory):
+    """The reference: the 4 ranks of one node, forked (the workers' own ``pretrain``, without
+    four fresh interpreters); the launcher is what the two-node run exercises."""
     run_dir = tmp_path_factory.mktemp("one_node")
-    cmd = [*LAUNCHER, "--standalone", "--nproc_per_node", "4", *ENTRY,
-           *_overrides(tiny_data, run_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    pretrain_ranks(4, [(str(REPO / ENTRY[2]), _overrides(tiny_data, run_dir))])
     return run_dir
 
 

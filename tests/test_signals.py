@@ -3,9 +3,9 @@ killed rank under --max-restarts restarts and the run ends as if uninterrupted.
 
 The launcher (``python -m training.launcher``, what ``make train`` runs: torchrun ending with
 one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
-are logged it gets SIGTERM (a scheduler) or SIGINT (Ctrl-C). Every rank finishes its step,
-they save together, the launcher exits 0 with one line; the same command then resumes and the
-per-iteration losses equal an uninterrupted run's. A rank killed under ``--max-restarts`` is
+are logged it gets SIGTERM (a scheduler), and the resumed run SIGINT (Ctrl-C). Every rank
+finishes its step, they save together, the launcher exits 0 with one line; the same command
+then resumes and the per-iteration losses equal an uninterrupted run's. A rank killed under ``--max-restarts`` is
 restarted, by the launcher or by plain torchrun (whose agent keeps one store across the
 attempts, see parallel/topology.py), and the run ends with the uninterrupted losses.
 """
@@ -20,7 +20,7 @@ import time
 
 import pytest
 from conftest import REPO, tiny_overrides
-from multiproc import logged_losses, metrics_records
+from multiproc import logged_losses, metrics_records, pretrain_ranks
 
 STEPS = 40
 RESTART_DEADLINE = 150  # s from the kill to the job's end (about 15 s unloaded)
@@ -28,16 +28,20 @@ RESTART_DEADLINE = 150  # s from the kill to the job's end (about 15 s unloaded)
 
 LAUNCHER = "training.launcher"
 TORCHRUN = "torch.distributed.run"  # plain torchrun
+CONFIG = "configs/gpt_tiny.yaml"
 
 
-def _cmd(data, run_dir, level: str = "fp32", launcher: str = LAUNCHER) -> list[str]:
-    overrides = tiny_overrides(
+def _overrides(data, run_dir, level: str = "fp32") -> list[str]:
+    return tiny_overrides(
         data, run_dir, level,
         **{"training.train_iters": STEPS, "checkpoint.save_interval": 0,
            "training.eval_interval": 1000, "training.eval_iters": 0},
     )  # fmt: skip
+
+
+def _cmd(data, run_dir, level: str = "fp32", launcher: str = LAUNCHER) -> list[str]:
     return [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2",
-            "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml", *overrides]  # fmt: skip
+            "pretrain_gpt.py", "--config", CONFIG, *_overrides(data, run_dir, level)]  # fmt: skip
 
 
 def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
@@ -47,15 +51,17 @@ def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def straight_runs(tiny_data, tmp_path_factory):
-    """level -> the uninterrupted run's losses (each level run once, when first asked)."""
+    """level -> the uninterrupted run's losses. Both levels run once, in forked ranks (the same
+    ``pretrain`` the launched workers call, without two fresh interpreters per run): the
+    launcher is what the tests below exercise, not what the reference needs."""
     done = {}
 
     def losses(level: str) -> dict[int, float]:
-        if level not in done:
-            run_dir = tmp_path_factory.mktemp(f"straight_{level}")
-            proc = _run(_cmd(tiny_data, run_dir, level))
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            done[level] = logged_losses(run_dir)
+        if not done:
+            dirs = {lv: tmp_path_factory.mktemp(f"straight_{lv}") for lv in ("fp32", "te")}
+            jobs = [(str(REPO / CONFIG), _overrides(tiny_data, d, lv)) for lv, d in dirs.items()]
+            pretrain_ranks(2, jobs)
+            done.update({lv: logged_losses(d) for lv, d in dirs.items()})
         return done[level]
 
     return losses
@@ -66,28 +72,34 @@ def straight(straight_runs):
     return straight_runs("fp32")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_and_resume_continues_the_run(straight, tiny_data, tmp_path, sig):
+def test_signals_save_and_resume_continues_the_run(straight, tiny_data, tmp_path):
+    """SIGTERM (a scheduler) stops the run a few steps in; the same command resumes, and SIGINT
+    (Ctrl-C) stops that attempt a few steps later; the same command again finishes the run.
+    Each stop saves once, exits 0 with one line, and the losses equal the uninterrupted run's.
+    (One run for both signals: every start costs fresh interpreters, the steps cost little.)"""
     cmd = _cmd(tiny_data, tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    saved = [x for x in out.splitlines() if x.startswith("received ")]
-    # The agent passes the signal on to the workers (SIGINT as SIGINT, SIGTERM as SIGTERM).
-    assert len(saved) == 1 and signal.Signals(sig).name in saved[0], saved
-    assert out.strip().splitlines()[-1].startswith("fp8train: stopped by"), out[-2000:]
-    assert "Traceback" not in err, err[-3000:]
-    stopped_at = max(logged_losses(tmp_path))
-    assert stopped_at < STEPS
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"iter_{stopped_at:07d}"
+    metrics, stopped_at = tmp_path / "metrics.jsonl", 0
+    for attempt, sig in enumerate((signal.SIGTERM, signal.SIGINT)):
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= stopped_at + 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        assert ("resumed from" in out) == (attempt > 0), out[-2000:]
+        saved = [x for x in out.splitlines() if x.startswith("received ")]
+        # The agent passes the signal on to the workers (SIGINT as SIGINT, SIGTERM as SIGTERM).
+        assert len(saved) == 1 and signal.Signals(sig).name in saved[0], saved
+        assert out.strip().splitlines()[-1].startswith("fp8train: stopped by"), out[-2000:]
+        assert "Traceback" not in err, err[-3000:]
+        previous, stopped_at = stopped_at, max(logged_losses(tmp_path))
+        assert previous < stopped_at < STEPS
+        latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"iter_{stopped_at:07d}"
     again = _run(cmd)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
