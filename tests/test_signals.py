@@ -5,9 +5,10 @@ The launcher (``python -m training.launcher``, what ``make train`` runs: torchru
 one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
 are logged it gets SIGTERM (a scheduler), and the resumed run SIGINT (Ctrl-C). Every rank
 finishes its step, they save together, the launcher exits 0 with one line; the same command
-then resumes and the per-iteration losses equal an uninterrupted run's. A rank killed under ``--max-restarts`` is
-restarted, by the launcher or by plain torchrun (whose agent keeps one store across the
-attempts, see parallel/topology.py), and the run ends with the uninterrupted losses.
+then resumes and the per-iteration losses equal an uninterrupted run's. A rank killed under
+``--max-restarts`` is restarted, by the launcher or by plain torchrun (whose agent keeps one
+store across the attempts, see parallel/topology.py), and the run ends with the uninterrupted
+losses.
 """
 
 from __future__ import annotations
