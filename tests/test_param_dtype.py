@@ -11,15 +11,17 @@ the recipes, the one-line errors, the model-state bytes, the resume rule, and a 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO, tiny_overrides
+from multiproc import pretrain_ranks
 
 from fp8train.precision import get_recipe
+from tools.convert_checkpoint import main as convert_main
 from training.config import ConfigError, load_config
 from training.loop import pretrain
+
+CONFIG = str(REPO / "configs/gpt_tiny.yaml")
 
 
 def test_recipes():
@@ -98,11 +100,8 @@ def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_p
     single = tmp_path / "single"
     _train(tiny_data, single, "te:bf16")
     staged = tmp_path / "pp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml",
-           *tiny_overrides(tiny_data, staged, "te:bf16", **{"parallel.pipeline": 2})]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    overrides = tiny_overrides(tiny_data, staged, "te:bf16", **{"parallel.pipeline": 2})
+    pretrain_ranks(2, [(CONFIG, overrides)])
 
     def losses(run_dir):
         return [
@@ -122,19 +121,17 @@ def test_a_checkpoint_converts_to_tp2_and_continues(tiny_data, tmp_path):
     first = tmp_path / "first"
     _train(tiny_data, first, "te:bf16", **{"training.exit_interval": 3})
     converted = tmp_path / "tp2_ckpt"
-    tool = [sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--input",
-            str(first / "checkpoints"), "--output", str(converted), "--format", "native",
-            "--tensor", "2", "--quiet"]  # fmt: skip
-    proc = subprocess.run(tool, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The tool's main and the workers' pretrain, in this process and in forked ranks: what
+    # the command lines run (tests/test_convert_checkpoint.py and the entry-point tests run
+    # those), without fresh interpreters.
+    tool = ["--input", str(first / "checkpoints"), "--output", str(converted),
+            "--format", "native", "--tensor", "2", "--quiet"]  # fmt: skip
+    assert convert_main(tool) == 0
     resumed = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml",
-           *tiny_overrides(tiny_data, resumed, "te:bf16", **{"parallel.tensor": 2,
-                           "checkpoint.load": str(converted)})]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    overrides = tiny_overrides(
+        tiny_data, resumed, "te:bf16", **{"parallel.tensor": 2, "checkpoint.load": str(converted)}
+    )
+    pretrain_ranks(2, [(CONFIG, overrides)])
 
     def losses(run_dir):
         records = (run_dir / "metrics.jsonl").read_text().splitlines()
