@@ -14,9 +14,10 @@ import sys
 
 import pytest
 from conftest import REPO, tiny_overrides
-from multiproc import launch
+from multiproc import launch, pretrain_ranks
 
 from training.config import load_config
+from training.launch import main as entry_main
 from training.loop import pretrain
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -31,7 +32,7 @@ def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
+def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path, capfd):
     two = tmp_path / "two"
     # logging.peak_tflops=null: MFU against the CPU's measured matmul rate, as in make train.
     batch = {"training.micro_batch_size": 1, "training.global_batch_size": 2}
@@ -99,38 +100,37 @@ def test_two_ranks_equal_one_rank_and_resume(tiny_data, tmp_path):
 
     # Same command again: finds the final checkpoint complete and builds nothing (no second
     # TensorBoard events file) instead of starting over.
+    # (In forked ranks, the workers' own pretrain, whose output capfd reads.)
     events = sorted((two / "tensorboard").iterdir())
-    again = _run(cmd)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "training already complete" in again.stdout and " iteration  " not in again.stdout
+    capfd.readouterr()
+    pretrain_ranks(2, [(str(REPO / "configs/gpt_tiny.yaml"), overrides)])
+    out = capfd.readouterr().out
+    assert "training already complete" in out and " iteration  " not in out, out[-2000:]
     assert sorted((two / "tensorboard").iterdir()) == events
 
 
-@pytest.mark.parametrize(
-    ("override", "needle"),
-    [
-        ("training.trian_iters=5", "training.trian_iters"),
-        ("parallel.pipeline=2", "parallel.pipeline"),
-        ("parallel.tensor=2", "parallel.tensor"),
-        ("parallel.ddp_bucket_size=0", "parallel.ddp_bucket_size"),
-        ("training.global_batch_size=3", "training.global_batch_size"),
-    ],
-)
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, override, needle):
+BAD_INPUT = [
+    ("training.trian_iters=5", "training.trian_iters"),
+    ("parallel.pipeline=2", "parallel.pipeline"),
+    ("parallel.tensor=2", "parallel.tensor"),
+    ("parallel.ddp_bucket_size=0", "parallel.ddp_bucket_size"),
+    ("training.global_batch_size=3", "training.global_batch_size"),
+]
+
+
+@pytest.mark.parametrize(("override", "needle"), BAD_INPUT)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, override, needle):
+    """The first case runs the script as a process (its exit status, its stderr); the others
+    call the ``main`` it runs in this process: an interpreter each would cost seconds."""
     run_dir = tmp_path / "run"
-    proc = _run(
-        [
-            sys.executable,
-            "pretrain_gpt.py",
-            "--config",
-            "configs/gpt_tiny.yaml",
-            f"logging.dir={run_dir}",
-            override,
-        ],
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    args = ["--config", str(REPO / "configs/gpt_tiny.yaml"), f"logging.dir={run_dir}", override]
+    if override == BAD_INPUT[0][0]:
+        proc = _run([sys.executable, "pretrain_gpt.py", *args], timeout=120)
+        code, err = proc.returncode, proc.stderr
+    else:
+        code, err = entry_main("gpt", args), capsys.readouterr().err
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not run_dir.exists()
 
@@ -148,16 +148,10 @@ def test_two_rank_o2_matches_one_rank_and_sends_fp8(tiny_data, tmp_path):
     """
     extra = {"training.micro_batch_size": 1, "training.global_batch_size": 2}
     two = tmp_path / "two"
-    cmd = TORCHRUN + [
-        "--nproc_per_node",
-        "2",
-        "pretrain_gpt.py",
-        "--config",
-        "configs/gpt_tiny.yaml",
-        *tiny_overrides(tiny_data, two, "O2", **extra),
-    ]
-    proc = _run(cmd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # In forked ranks: the test above runs the entry point under torchrun.
+    pretrain_ranks(
+        2, [(str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(tiny_data, two, "O2", **extra))]
+    )
     one = tmp_path / "one"
     pretrain(
         load_config(
