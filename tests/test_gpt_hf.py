@@ -404,22 +404,14 @@ def trained(tiny_data, tmp_path_factory):
 def test_exported_training_checkpoint_gives_the_same_logits_in_transformers(
     trained, style, tmp_path
 ):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     from families.gpt import GPTModelSection
     from models.gpt import GPTModel
+    from tools.export_hf import main as export_main
     from training.checkpoint_format import reassemble
 
+    # The tool's main in this process (the script as a process: tests/test_vit_training.py).
     checkpoint = trained[style] / "checkpoints" / "iter_0000003"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools/export_hf.py"), "--checkpoint", str(checkpoint),
-         "--output", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert export_main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "hf")]) == 0
     cls = transformers.LlamaForCausalLM if style == "llama" else transformers.GPT2LMHeadModel
     hf = cls.from_pretrained(tmp_path / "hf").eval()
     meta = json.loads((checkpoint / "metadata.json").read_text())

@@ -381,20 +381,15 @@ def test_exported_checkpoint_gives_the_same_logits_in_transformers(runs, layout,
     """tools/export_hf.py on a trained checkpoint (one process, or TP=2+SP shards with a padded
     vocabulary split over them): transformers loads it and, on a padded batch, its logits equal
     this project's model with the reassembled weights (over the true vocabulary)."""
-    import subprocess
-    import sys
-
     import transformers
 
     from families.roberta import RobertaModelSection
     from models.roberta import RobertaModel
+    from tools.export_hf import main as export_main
 
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools/export_hf.py"), "--checkpoint",
-         str(_checkpoint(runs[layout])), "--output", str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    # The tool's main in this process (the script as a process: tests/test_vit_training.py).
+    args = ["--checkpoint", str(_checkpoint(runs[layout])), "--output", str(tmp_path / "hf")]
+    assert export_main(args) == 0
     hf = transformers.RobertaForMaskedLM.from_pretrained(tmp_path / "hf").eval()
     meta = _metadata(runs[layout])
     s = meta["model_structure"]
