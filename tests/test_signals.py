@@ -2,7 +2,7 @@
 killed rank under --max-restarts restarts and the run ends as if uninterrupted.
 
 The launcher (``python -m training.launcher``, what ``make train`` runs: torchrun ending with
-one line) runs 2 ranks of the tiny GPT for 40 steps without periodic saves; once a few steps
+one line) runs 2 ranks of the tiny GPT for 24 steps without periodic saves; once a few steps
 are logged it gets SIGTERM (a scheduler), and the resumed run SIGINT (Ctrl-C). Every rank
 finishes its step, they save together, the launcher exits 0 with one line; the same command
 then resumes and the per-iteration losses equal an uninterrupted run's. A rank killed under
@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, tiny_overrides
 from multiproc import logged_losses, metrics_records, pretrain_ranks
 
-STEPS = 40
+STEPS = 24  # the last signal lands near step 10: 14 steps of margin before the run would end
 RESTART_DEADLINE = 150  # s from the kill to the job's end (about 15 s unloaded)
 
 
