@@ -13,8 +13,9 @@ MAX_RESTARTS ?= 0
 
 venv: $(STAMP)
 
-# torch goes first and alone, pinned exactly: any range would fetch a CUDA build.
-$(STAMP): requirements.txt
+# torch goes first and alone, pinned exactly: any range would fetch a CUDA build. pyproject.toml
+# lists the packages the editable install maps: a new one needs the install again.
+$(STAMP): requirements.txt pyproject.toml
 	@echo "fp8train: creating $(VENV) (once; about a minute or two)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "fp8train: [1/3] torch==2.13.0"

@@ -15,6 +15,7 @@ The first metric is the headline loss (NaN counting, the console line).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,10 @@ from families.config_fields import Section
 from families.data_sections import TextDataSection
 
 if TYPE_CHECKING:  # annotations only: families sit below training/
+    from checkpoint.format import JsonObject
     from models.base import ParallelModel
     from models.context import BuildContext
     from parallel.pipeline.layout import PipelineLayout
-    from training.checkpoint_format import JsonObject
 
 __all__ = [
     "HFImport",
@@ -38,7 +39,9 @@ __all__ = [
     "ModelFamily",
     "RESERVED_METRICS",
     "register_family",
+    "BUILTIN_FAMILIES",
     "get_family",
+    "checkpoint_family",
     "family_names",
     "family_for_hf",
     "family_for_hf_directory",
@@ -131,8 +134,8 @@ class ModelFamily(ABC):
         out: its ``model_structure``, its model config (``config_from_checkpoint``) and its
         parameters, full tensors from the canonical format (dequantized; FP8 scaling state
         left out). A checkpoint of another family raises; a damaged one names its file."""
-        from training.checkpoint_format import reassemble  # the format reader
-        from training.checkpointing import read_metadata
+        from checkpoint.format import reassemble  # the format reader
+        from checkpoint.store import read_metadata
 
         meta = read_metadata(checkpoint)
         structure = meta["model_structure"]
@@ -252,17 +255,28 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     return family
 
 
+# The built-in families: the class implementing each, imported and registered on first use.
+# Named here rather than imported: the family modules import this one, and the registry must
+# not import them back (an import circle), nor load every family to answer for one.
+BUILTIN_FAMILIES = {
+    "gpt": "families.gpt:GPTFamily",
+    "roberta": "families.roberta:RobertaFamily",
+    "vit": "families.vit:ViTFamily",
+}
+
+
 def _builtin() -> None:
-    import families.gpt  # noqa: F401  (each registers itself)
-    import families.roberta  # noqa: F401
-    import families.vit  # noqa: F401
+    for name, where in BUILTIN_FAMILIES.items():
+        if name not in _REGISTRY:
+            module, cls = where.split(":")
+            register_family(getattr(importlib.import_module(module), cls)())
 
 
 def read_hf_config(directory) -> JsonObject:
     """A Hugging Face model directory's ``config.json``; a missing one raises naming it, as
     does a damaged one (``CheckpointError``) and, when read, a key it lacks or a value of the
     wrong type (``JsonObject.need``)."""
-    from training.checkpoint_format import read_json  # the format reader: no model code
+    from checkpoint.format import read_json  # the format reader: no model code
 
     path = Path(directory) / "config.json"
     if not path.exists():
@@ -298,7 +312,7 @@ def encoder_fields_from_hf(hf: JsonObject, *, dropout: float, why: str) -> dict:
 def family_for_hf_directory(directory) -> ModelFamily:
     """The family importing the Hugging Face model in ``directory`` (by its model_type); a
     config.json without one, or with one no family imports, raises naming the file."""
-    from training.checkpoint_format import CheckpointError
+    from checkpoint.format import CheckpointError
 
     hf = read_hf_config(directory)
     try:
@@ -308,9 +322,12 @@ def family_for_hf_directory(directory) -> ModelFamily:
 
 
 def family_for_hf(model_type: str) -> ModelFamily:
-    """The family importing Hugging Face ``model_type`` (config.json's)."""
+    """The family importing Hugging Face ``model_type`` (config.json's): a built-in one first,
+    then the others in the order they registered (a family derived from a built-in one
+    inherits its ``hf_model_types``)."""
     _builtin()
-    for family in _REGISTRY.values():
+    ordered = sorted(_REGISTRY.values(), key=lambda f: f.name not in BUILTIN_FAMILIES)
+    for family in ordered:
         if model_type in family.hf_model_types:
             return family
     known = sorted(t for f in _REGISTRY.values() for t in f.hf_model_types)
@@ -327,6 +344,17 @@ def get_family(name: str) -> ModelFamily:
         raise ValueError(
             f"unknown model family {name!r}; registered: {', '.join(family_names())}"
         ) from None
+
+
+def checkpoint_family(metadata) -> ModelFamily:
+    """The family that wrote a checkpoint, from its metadata (``checkpoint.store.read_metadata``);
+    a ``family`` no registered family has raises naming metadata.json."""
+    from checkpoint.format import CheckpointError
+
+    try:
+        return get_family(metadata["family"])
+    except ValueError as err:
+        raise CheckpointError(f"{metadata.file}: {err}") from None
 
 
 DEFAULT_FAMILY = "gpt"  # what a config without a family (and pretrain_gpt.py) trains

@@ -19,7 +19,7 @@ from data.gpt_data import build_gpt_datasets
 from data.paths import check_directory
 from data.prepare import check_text_data, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
-from families.base import HFImport, LossSums, ModelFamily, register_family, section_values
+from families.base import HFImport, LossSums, ModelFamily, section_values
 from families.config_fields import doc_field
 from families.sections import TextTransformerSection
 from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, GPTModel, pad_vocab_size
@@ -194,6 +194,3 @@ def _token_ids(data: GPTData | None) -> dict | None:
     t = data.tokenizer
     ids = {"bos_token_id": t.bos, "eos_token_id": t.eod, "pad_token_id": t.pad}
     return {k: (int(v) if v is not None and v >= 0 else None) for k, v in ids.items()}
-
-
-register_family(GPTFamily())

@@ -55,7 +55,7 @@ from families.base import read_hf_config
 from models.gpt import GPTConfig, pad_vocab_size
 
 if TYPE_CHECKING:
-    from training.checkpoint_format import JsonObject
+    from checkpoint.format import JsonObject
 
 __all__ = [
     "config_from_hf",
@@ -244,7 +244,7 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
     a key it needs and the dict lacks, or a value of the wrong type, a ``CheckpointError``
     naming the file (``read_hf_config``'s; "config.json" for a dict made in memory) and key.
     """
-    from training.checkpoint_format import JsonObject  # the format reader: no model code
+    from checkpoint.format import JsonObject  # the format reader: no model code
 
     hf = JsonObject.wrap(hf, "config.json")
     kind = hf.get("model_type")
@@ -486,7 +486,7 @@ def save_hf(
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists; a
     missing or damaged file raises ``CheckpointError`` naming it."""
-    from training.checkpoint_format import CheckpointError, load_safetensors, read_json
+    from checkpoint.format import CheckpointError, load_safetensors, read_json
 
     index = path / "model.safetensors.index.json"
     if not index.exists():
@@ -525,9 +525,9 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM``: full tensors from the canonical format
     (dequantized), the model config from the checkpoint's own config and ``model_structure``.
     """
-    from families.gpt import GPTFamily
+    from families.base import get_family  # the registry: this module is the family's adapter
 
-    structure, config, params = GPTFamily().checkpoint_model(checkpoint)
+    structure, config, params = get_family("gpt").checkpoint_model(checkpoint)
     if structure.get("vocab_size") is None:
         raise ValueError(f"{checkpoint}: model_structure has no vocab_size (the true vocabulary)")
     return save_hf(directory, params, config, structure["vocab_size"], structure.get("token_ids"))

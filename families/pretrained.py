@@ -1,7 +1,7 @@
 """One model from any checkpoint, for inference: ``load_pretrained``.
 
 A native checkpoint (any parallel layout, any precision level) is read through the canonical
-format (training/checkpoint_format.py: full tensors, scaled FP16/FP8 storage dequantized to
+format (checkpoint/format.py: full tensors, scaled FP16/FP8 storage dequantized to
 FP32); a Hugging Face directory through its family's adapter (``ModelFamily.import_hf``).
 Either way the model is built once, single-process, with plain FP32 linears, and loaded
 strictly: a tensor the model lacks, or one it misses, raises naming it.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from families.base import ModelFamily, family_for_hf_directory, get_family
+from families.base import ModelFamily, checkpoint_family, family_for_hf_directory
 
 __all__ = ["LogitsOf", "load_pretrained", "read_pretrained"]
 
@@ -22,8 +22,8 @@ def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, to
     """``(family, model config, single-process tensors)`` of a native checkpoint (an
     ``iter_*`` directory, or a checkpoints directory with ``latest``) or a Hugging Face
     directory (``config.json`` + safetensors). FP8 scaling state is left out."""
-    from training.checkpoint_format import reassemble  # the format reader: no model code
-    from training.checkpointing import check_format, read_metadata, resolve_checkpoint
+    from checkpoint.format import reassemble  # the format reader: no model code
+    from checkpoint.store import check_format, read_metadata, resolve_checkpoint
 
     path = Path(path)
     if (path / "config.json").exists():
@@ -33,7 +33,7 @@ def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, to
     checkpoint = resolve_checkpoint(path)
     metadata = read_metadata(checkpoint)
     check_format(checkpoint, metadata)
-    family = get_family(metadata["family"])
+    family = checkpoint_family(metadata)
     config = family.config_from_checkpoint(metadata)
     tensors = {
         name: value

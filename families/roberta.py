@@ -45,7 +45,6 @@ from families.base import (
     ModelFamily,
     encoder_fields_from_hf,
     read_hf_config,
-    register_family,
     section_values,
 )
 from families.config_fields import doc_field
@@ -56,7 +55,7 @@ from models.roberta import RobertaConfig, RobertaModel
 from models.transformer import ACTIVATIONS, NORM_POSITIONS
 
 if TYPE_CHECKING:
-    from training.checkpoint_format import JsonObject
+    from checkpoint.format import JsonObject
 
 __all__ = [
     "export_checkpoint",
@@ -302,7 +301,7 @@ def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) 
     checkpoint); ``padded_vocab_size`` defaults to the checkpoint's vocabulary. A key it
     needs and the dict lacks, or a value of the wrong type, raises ``CheckpointError`` naming
     the file and the key."""
-    from training.checkpoint_format import JsonObject  # the format reader: no model code
+    from checkpoint.format import JsonObject  # the format reader: no model code
 
     hf = JsonObject.wrap(hf, "config.json")
     pad = hf.need("pad_token_id", int, 1)
@@ -415,9 +414,6 @@ def state_to_hf(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-register_family(RobertaFamily())
-
-
 def save_hf(directory: str | Path, state: dict, config: RobertaConfig, vocab_size: int) -> Path:
     """Write ``config.json`` + ``model.safetensors`` that ``RobertaForMaskedLM.from_pretrained``
     loads, from this project's single-process parameters (FP32 values)."""
@@ -433,7 +429,7 @@ def save_hf(directory: str | Path, state: dict, config: RobertaConfig, vocab_siz
 
 def load_hf(directory: str | Path, padded_vocab_size: int | None = None):
     """``(RobertaConfig, parameters)`` from a Hugging Face ``RobertaForMaskedLM`` directory."""
-    from training.checkpoint_format import load_safetensors  # names a damaged file
+    from checkpoint.format import load_safetensors  # names a damaged file
 
     path = Path(directory)
     config = config_from_hf(read_hf_config(path), padded_vocab_size)

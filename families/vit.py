@@ -39,7 +39,6 @@ from families.base import (
     ModelFamily,
     encoder_fields_from_hf,
     read_hf_config,
-    register_family,
     section_values,
 )
 from families.config_fields import doc_field
@@ -50,7 +49,7 @@ from models.transformer import ACTIVATIONS
 from models.vit import ViTConfig, ViTModel, interpolate_position_embeddings
 
 if TYPE_CHECKING:
-    from training.checkpoint_format import JsonObject
+    from checkpoint.format import JsonObject
 
 __all__ = [
     "ViTModelSection",
@@ -273,7 +272,7 @@ def config_from_hf(hf: dict, **overrides) -> ViTConfig:
     """A ``ViTConfig`` from a Hugging Face ``config.json`` dict. A key it needs and the dict
     lacks, or a value of the wrong type, raises ``CheckpointError`` naming the file and the
     key."""
-    from training.checkpoint_format import JsonObject  # the format reader: no model code
+    from checkpoint.format import JsonObject  # the format reader: no model code
 
     hf = JsonObject.wrap(hf, "config.json")
     if not hf.need("qkv_bias", bool, True):
@@ -393,7 +392,7 @@ def save_hf(
 def load_hf(directory: str | Path, image_size: int | None = None):
     """``(ViTConfig, parameters)`` from a Hugging Face ``ViTForImageClassification``
     directory; ``image_size`` other than the checkpoint's interpolates the positions."""
-    from training.checkpoint_format import load_safetensors  # names a damaged file
+    from checkpoint.format import load_safetensors  # names a damaged file
 
     path = Path(directory)
     hf = read_hf_config(path)
@@ -406,6 +405,3 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     ``ViTForImageClassification`` (full tensors from the canonical format)."""
     structure, config, params = ViTFamily().checkpoint_model(checkpoint)
     return save_hf(directory, params, config, structure.get("classes"))
-
-
-register_family(ViTFamily())

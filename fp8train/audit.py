@@ -16,6 +16,7 @@ from torch import nn
 
 from .linear import Linear
 from .low_precision import Fp8GradSlot
+from .param_state import grad_slot
 from .precision import PrecisionRecipe
 
 __all__ = ["RoleAudit", "audit_precision", "format_audit", "dtype_name"]
@@ -93,7 +94,7 @@ def audit_precision(
             rows["gemm"].append("fp8")
         else:
             rows["gemm"].append(dtype_name(recipe.autocast_dtype or w.dtype))
-        slot = getattr(w, "main_grad", None)
+        slot = grad_slot(w)
         grad = slot if slot is not None else w.grad
         rows["comm"].append("fp8" if isinstance(slot, Fp8GradSlot) else "fp32")
         rows["w"].append(dtype_name(w.dtype))

@@ -99,7 +99,8 @@ def initialize(
     """Convert ``model`` in place and return ``(model, optimizer)`` for ``opt_level``.
 
     opt_level: "te" (FP8 GEMMs only), "O1", "O2" or "O3" (the precision table). The returned
-    optimizer reads FP8 weight gradients from ``weight.main_grad`` and zeroes them in
+    optimizer reads FP8 weight gradients from each weight's gradient slot
+    (``fp8train.param_state.grad_slot``, the ``main_grad`` attribute) and zeroes them in
     ``zero_grad()``; use it exactly like the one passed in.
     """
     if opt_level not in _LEVELS:

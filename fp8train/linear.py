@@ -35,6 +35,7 @@ from torch import nn
 from .formats import E4M3, E5M2
 from .gemm import fp8_gemm
 from .low_precision import Fp8GradSlot, ScaledTensor
+from .param_state import grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
 from .scaling import ScalingRecipe, ScalingState
 from .tensor import Float8Tensor
@@ -290,13 +291,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(stored.data)
         self.register_buffer("weight_scale_inv", stored.scale_inv)
         if recipe.weight_grad == "fp8":
-            self.weight.main_grad = Fp8GradSlot(self.weight.shape, self.weight.device)
+            set_grad_slot(self.weight, Fp8GradSlot(self.weight.shape, self.weight.device))
         self._link_weight_attributes()
 
     def _link_weight_attributes(self) -> None:
         # The optimizer reads the scale through the parameter; keep it the module's buffer.
         if hasattr(self, "weight_scale_inv"):
-            self.weight.scale_inv = self.weight_scale_inv
+            set_scale_inv(self.weight, self.weight_scale_inv)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -338,7 +339,7 @@ class Linear(nn.Module):
             self.fp8_grad_output,
             self.training,
             getattr(self, "weight_scale_inv", None),
-            getattr(self.weight, "main_grad", None) if self.lowered else None,
+            grad_slot(self.weight) if self.lowered else None,
             self.health if self.track_health else None,
             input_comm,
         )

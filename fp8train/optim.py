@@ -11,15 +11,16 @@ Three kinds of parameters (set up by the model layer):
 - plain (embeddings, norms, biases, or any FP32 model): ``p.grad``; FP32 moments, because
   high-precision roles stay high at every level. A param group may still set
   ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` to override that for all of its parameters.
-- scaled FP16 weight (O1/O2): ``p`` is FP16 with an fp32 0-d ``p.scale_inv``; it *is* the
-  master weight. Gradient: an ``Fp8GradSlot`` in ``p.main_grad``. Written back in place with a
-  power-of-two scale (``p.scale_inv`` is the module's buffer, so it is updated in place too).
-- FP8 weight (O3): ``p`` is FP8 E4M3 with ``p.scale_inv``; the optimizer owns a tensor-scaled
+- scaled FP16 weight (O1/O2): ``p`` is FP16 with an fp32 0-d per-tensor scale
+  (``param_state.scale_inv_of(p)``); it *is* the master weight. Gradient: an ``Fp8GradSlot``
+  as its gradient slot (``param_state.fp8_grad_slot(p)``). Written back in place with a
+  power-of-two scale (the scale is the module's buffer, so it is updated in place too).
+- FP8 weight (O3): ``p`` is FP8 E4M3 with its scale; the optimizer owns a tensor-scaled
   FP16 master (state "master"), created from the FP8 weight on first use. The new FP8 weight is
   re-cast from the stored master, so ``weight == E4M3(master)`` holds exactly after each step.
 
 Moment dtypes from the constructor apply to the scaled weights (kinds 2 and 3). A parameter
-without a gradient this step (no ``main_grad`` data, ``grad`` None) is skipped and its state
+without a gradient this step (no FP8 slot data, ``grad`` None) is skipped and its state
 left untouched, as in torch.
 
 No host synchronisation in ``step()``: bias corrections are computed on the device from the
@@ -36,7 +37,7 @@ from itertools import chain
 import torch
 
 from .formats import E4M3
-from .low_precision import FP16_MAX, Fp8GradSlot
+from .low_precision import FP16_MAX
 from .optim_states import (
     EXP_AVG_DTYPES,
     EXP_AVG_SQ_DTYPES,
@@ -47,6 +48,7 @@ from .optim_states import (
     quantize_into_,
     weight_value,
 )
+from .param_state import fp8_grad_slot, scale_inv_of
 
 __all__ = ["LowBitAdamW"]
 
@@ -232,7 +234,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         fp8_params = []
         for (p, kind, _, state), w in zip(items, weights):
             if kind == "fp16":
-                data, scale_inv = p, p.scale_inv
+                data, scale_inv = p, scale_inv_of(p)
             elif kind == "fp8":
                 data, scale_inv = state["master"], state["master_scale_inv"]
                 fp8_params.append((p, state))
@@ -253,7 +255,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                     [s["master"] for _, s in same], [s["master_scale_inv"] for _, s in same]
                 ),
                 [p for p, _ in same],
-                [p.scale_inv for p, _ in same],
+                [scale_inv_of(p) for p, _ in same],
                 torch.finfo(dtype).max,
                 pow2=True,
             )
@@ -262,8 +264,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
-                slot = getattr(p, "main_grad", None)
-                if isinstance(slot, Fp8GradSlot):
+                slot = fp8_grad_slot(p)
+                if slot is not None:
                     slot.zero_()
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from .formats import E4M3
-from .low_precision import FP16_MAX, Fp8GradSlot, pow2_scale
+from .low_precision import FP16_MAX, pow2_scale
+from .param_state import fp8_grad_slot, scale_inv_of
 from .scaling import compute_scale
 
 __all__ = [
@@ -52,7 +53,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def param_kind(p: torch.Tensor) -> str:
     """ "fp8" (O3 FP8 weight), "fp16" (O1/O2 scaled FP16 weight) or "plain"."""
-    if getattr(p, "scale_inv", None) is not None:
+    if scale_inv_of(p) is not None:
         if p.dtype in FP8_DTYPES:
             return "fp8"
         if p.dtype == torch.float16:
@@ -65,11 +66,11 @@ def param_kind(p: torch.Tensor) -> str:
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient as FP32, or None when there is none this step (the parameter is skipped).
 
-    An ``Fp8GradSlot`` in ``p.main_grad`` wins (its ``has_data`` is a host flag: no sync);
-    otherwise ``p.grad``.
+    An ``Fp8GradSlot`` gradient slot (``param_state.fp8_grad_slot``) wins (its ``has_data``
+    is a host flag: no sync); otherwise ``p.grad``.
     """
-    slot = getattr(p, "main_grad", None)
-    if isinstance(slot, Fp8GradSlot):
+    slot = fp8_grad_slot(p)
+    if slot is not None:
         return slot.dequantize() if slot.has_data else None
     if p.grad is None:
         return None
@@ -78,7 +79,10 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 def weight_value(p: torch.Tensor) -> torch.Tensor:
     """The value a scaled parameter represents, in FP32 (a new tensor)."""
-    return p.detach().float() * p.scale_inv
+    scale_inv = scale_inv_of(p)
+    if scale_inv is None:
+        raise TypeError("weight_value: the parameter has no per-tensor scale (not a scaled weight)")
+    return p.detach().float() * scale_inv
 
 
 def init_state(

@@ -21,10 +21,12 @@ Rule for families: a module that owns parameters either has ``reset_parameters()
 ``nn`` layers, ``fp8train.linear.Linear``) or draws nothing when constructed.
 
 Names. Under TP a parallel linear holds its shard in an inner ``Linear``
-(``qkv.linear.weight``); ``canonical_name`` drops that ``linear`` so every layout speaks the
-single-process names (``qkv.weight``), which checkpoints store. ``tensor_layouts`` says how
-each stored tensor relates to the full one (split dimension and blocks, per-shard state,
-pipeline copies), so a reader can reassemble full tensors without this code.
+(``qkv.linear.weight``); ``canonical_name`` drops that ``linear`` (the layer's ``shard_child``)
+so every layout speaks the single-process names (``qkv.weight``), which checkpoints store. The
+map it reads is built once per model, in one walk of the modules, after ``build``.
+``tensor_layouts`` says how each stored tensor relates to the full one (split dimension and
+blocks, per-shard state, pipeline copies), as each parallel layer reports it
+(``shard_layouts``), so a reader can reassemble full tensors without this code.
 """
 
 from __future__ import annotations
@@ -39,23 +41,12 @@ from torch import nn
 from fp8train.linear import Linear
 from models.context import BuildContext
 from parallel.pipeline.layout import PipelineLayout
-from parallel.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelBias,
-    VocabParallelEmbedding,
-    shard_from_full,
-)
+from parallel.tensor_parallel.layers import ShardLayout, is_parallel_layer, shard_from_full
 from parallel.tensor_parallel.mappings import group_rank
 
 __all__ = ["LayerDict", "ParallelModel"]
 
-_SHARDED_MODULES = (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelBias,
-)
+_WHOLE = ShardLayout()  # a tensor no parallel layer splits: stored whole on every rank
 
 
 class LayerDict(nn.ModuleDict):
@@ -87,6 +78,8 @@ class ParallelModel(nn.Module, ABC):
 
     def __init__(self, config, ctx: BuildContext | None = None, pipeline=None):
         super().__init__()
+        # canonical_name's map (shard-child path -> layer path); None until first needed.
+        self._shard_child_paths: dict[str, str] | None = None
         ctx = ctx or BuildContext()
         self.config = config
         self.ctx = ctx
@@ -101,6 +94,7 @@ class ParallelModel(nn.Module, ABC):
             )
         if self.tp_group is None and not self.pipeline.is_split:
             self.build(ctx)
+            self.refresh_names()
             if torch.device(ctx.device or "cpu").type != "meta":
                 self.init_weights()
             return
@@ -108,6 +102,7 @@ class ParallelModel(nn.Module, ABC):
         # it from the replayed single-process init (module doc).
         with torch.random.fork_rng(devices=[]):
             self.build(replace(ctx, materialize=False))
+        self.refresh_names()
         self._materialize()
 
     # ---- what a family implements -------------------------------------------------------
@@ -219,26 +214,55 @@ class ParallelModel(nn.Module, ABC):
 
     # ---- names, shards and copies -------------------------------------------------------
 
-    def _parallel_paths(self) -> dict[str, nn.Module]:
-        return {n: m for n, m in self.named_modules() if isinstance(m, _SHARDED_MODULES)}
+    def refresh_names(self) -> None:
+        """Forget ``canonical_name``'s map. The constructor calls it once ``build`` is done;
+        call it again after adding or replacing a parallel layer on a built model."""
+        self._shard_child_paths = None
+
+    def _shard_child_map(self) -> dict[str, str]:
+        paths = self._shard_child_paths
+        if paths is None:
+            paths = {
+                f"{path}.{module.shard_child}": path
+                for path, module in self.named_modules()
+                if path and is_parallel_layer(module) and module.shard_child
+            }
+            self._shard_child_paths = paths
+        return paths
 
     def canonical_name(self, name: str) -> str:
         """The single-process name of local tensor ``name`` (``qkv.linear.weight`` under TP
         is ``qkv.weight``); unchanged for everything else."""
-        head, sep, tail = name.rpartition(".linear.")
-        if sep and isinstance(self._parallel_paths().get(head), _ParallelLinearTypes):
-            return f"{head}.{tail}"
+        paths = self._shard_child_map()
+        if paths:
+            # Longest module prefix first: a few dict lookups per name, no module walk.
+            end = name.rfind(".")
+            while end > 0:
+                layer = paths.get(name[:end])
+                if layer is not None:
+                    return layer + name[end:]
+                end = name.rfind(".", 0, end)
         return name
+
+    def _shard_layouts(self) -> dict[str, ShardLayout]:
+        """Canonical name -> ``ShardLayout`` of every tensor a tensor-parallel layer stores,
+        as the layer reports it; empty without TP (there is nothing to split)."""
+        out: dict[str, ShardLayout] = {}
+        if self.tp_group is None:
+            return out
+        for path, module in self.named_modules():
+            if is_parallel_layer(module):
+                for name, layout in module.shard_layouts().items():
+                    out[f"{path}.{name}" if path else name] = layout
+        return out
 
     def tensor_partitions(self) -> dict[str, tuple[int, int]]:
         """Canonical name -> (split dimension, blocks) of every tensor-parallel shard."""
-        out = {}
-        if self.tp_group is None:
-            return out
-        for path, module in self._parallel_paths().items():
-            for param_name, part in module.partitions().items():
-                out[f"{path}.{param_name}" if path else param_name] = part
-        return out
+        return {
+            name: (layout.partition_dim, layout.blocks)
+            for name, layout in self._shard_layouts().items()
+            if layout.partition_dim is not None
+        }
 
     def tensor_parallel_sharded(self) -> set[int]:
         """ids of parameters split across the tensor-parallel group (the rest are replicated):
@@ -267,13 +291,12 @@ class ParallelModel(nn.Module, ABC):
 
     def tensor_layouts(self) -> dict[str, dict]:
         """For every entry of ``canonical_state_dict``: how the stored tensor relates to the
-        full single-process one, as JSON-ready dicts (training/checkpoint_format.py reads
+        full single-process one, as JSON-ready dicts (checkpoint/format.py reads
         them): ``partition_dim``/``blocks`` (null: whole), ``tp_rank``/``tp_size``,
         ``per_shard`` (state each shard keeps for itself, e.g. FP8 scaling),
         ``scale_inv`` (name of the per-tensor scale of a scaled FP16/FP8 weight),
         ``pipeline_copy`` (another stage stores the counted copy)."""
-        partitions = self.tensor_partitions()
-        sharded_paths = set(self._parallel_paths()) if self.tp_group is not None else set()
+        layouts = self._shard_layouts()
         copies = {n for n, counted in self.pipeline_copies().items() if not counted}
         copies = copies if self.pipeline.is_split else set()
         scaled = set(self._scaled_weights())
@@ -281,17 +304,14 @@ class ParallelModel(nn.Module, ABC):
         rank = group_rank(self.tp_group) if self.tp_group is not None else 0
         out = {}
         for name in self.canonical_state_dict():
-            part = partitions.get(name) if tp > 1 else None
+            layout = layouts.get(name, _WHOLE)
             owner = name.rsplit(".", 1)[0]
-            per_shard = part is None and any(
-                owner == p or owner.startswith(p + ".") for p in sharded_paths
-            ) and not name.endswith(".bias")  # fmt: skip
             entry = {
-                "partition_dim": part[0] if part else None,
-                "blocks": part[1] if part else 1,
+                "partition_dim": layout.partition_dim,
+                "blocks": layout.blocks,
                 "tp_rank": rank,
                 "tp_size": tp,
-                "per_shard": per_shard,
+                "per_shard": layout.per_shard,
                 "pipeline_copy": name in copies,
             }
             if name.endswith(".weight") and f"{owner}.weight_scale_inv" in scaled:
@@ -343,9 +363,6 @@ class ParallelModel(nn.Module, ABC):
             if s:
                 stats[name] = s
         return stats
-
-
-_ParallelLinearTypes = (ColumnParallelLinear, RowParallelLinear)
 
 
 def _parameters_by_module(model: nn.Module):

@@ -19,6 +19,7 @@ single-process model in eval mode; without a cache the forward is the training o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,8 @@ from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
 from models.kv_cache import KVCache
 from models.transformer import (
+    DEFAULT_LAYER_SPEC,
+    LayerSpec,
     TransformerConfig,
     TransformerLayer,
     init_parameter_,
@@ -113,6 +116,11 @@ class GPTModel(ParallelModel):
     (``pipeline_copies``), as Megatron does.
     """
 
+    # The blocks' attention and MLP classes. A class attribute, not a constructor argument:
+    # the single-process reference of a split model is rebuilt through ``(config, ctx,
+    # pipeline)`` alone (models.base), so a variant is a subclass that overrides this.
+    layer_spec: ClassVar[LayerSpec] = DEFAULT_LAYER_SPEC
+
     def __init__(
         self,
         config: GPTConfig,
@@ -141,8 +149,9 @@ class GPTModel(ParallelModel):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        spec = self.layer_spec
         self.layers = LayerDict(
-            (str(i), TransformerLayer(config, ctx, recompute=config.recompute))
+            (str(i), TransformerLayer(config, ctx, recompute=config.recompute, spec=spec))
             for i in stage.local_layers()
         )
         self.final_norm = None
@@ -246,7 +255,7 @@ class GPTModel(ParallelModel):
             raise ValueError(
                 f"KV cache: this GPTModel is one slice of a parallel model (tensor parallel "
                 f"{self.ctx.tp}, {self.pipeline.stages} pipeline stages); the cache is for a "
-                "single-process model (TP=1, PP=1), e.g. from models.load_pretrained"
+                "single-process model (TP=1, PP=1), e.g. from families.load_pretrained"
             )
         if self.training:
             # Dropout would differ from step to step, and FP8 linears would advance their

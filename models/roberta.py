@@ -29,6 +29,7 @@ gradient is already the whole one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,13 @@ from torch import nn
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
-from models.transformer import TransformerConfig, TransformerLayer, init_parameter_
+from models.transformer import (
+    DEFAULT_LAYER_SPEC,
+    LayerSpec,
+    TransformerConfig,
+    TransformerLayer,
+    init_parameter_,
+)
 from parallel.tensor_parallel.cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
@@ -100,6 +107,11 @@ class RobertaModel(ParallelModel):
     holds a copy of ``word_embeddings`` for the tied decoder when the model is split).
     """
 
+    # The blocks' attention and MLP classes. A class attribute, not a constructor argument:
+    # the single-process reference of a split model is rebuilt through ``(config, ctx,
+    # pipeline)`` alone (models.base), so a variant is a subclass that overrides this.
+    layer_spec: ClassVar[LayerSpec] = DEFAULT_LAYER_SPEC
+
     def __init__(self, config: RobertaConfig, ctx: BuildContext | None = None, pipeline=None):
         ctx = ctx or BuildContext()
         ctx.check_sequence_split(config.seq_length)
@@ -121,8 +133,9 @@ class RobertaModel(ParallelModel):
             self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h, device=device)
             self.embedding_norm = nn.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        spec = self.layer_spec
         self.layers = LayerDict(
-            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute))
+            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute, spec=spec))
             for i in stage.local_layers()
         )
         if not stage.has_head():

@@ -27,6 +27,11 @@ largest activation per FLOP of recompute). Both give bit-identical losses and gr
 checkpoint restores the RNG for dropout (the tensor-parallel tracker's stream included, see
 ``_recompute_contexts``) and FP8 casts replay the original scales (``fp8train.linear``).
 
+Layer specs: a ``TransformerLayer`` builds its attention and MLP from a ``LayerSpec`` (the
+classes, megatron-core's ModuleSpec idea kept to the two parts that vary), so a mixture of
+experts or another attention is a new class in its own file plus a spec, not an edit of this
+block; ``DEFAULT_LAYER_SPEC`` (``SelfAttention``, ``MLP``) is what GPT, RoBERTa and ViT use.
+
 GELU is the tanh approximation, as in the published GPT-2 code (HF ``gelu_new``), so converted
 GPT-2 weights reproduce its logits; exact erf-GELU differs by < 1e-3 per element.
 """
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -60,7 +65,11 @@ __all__ = [
     "apply_rotary",
     "SelfAttention",
     "MLP",
+    "LayerSpec",
+    "DEFAULT_LAYER_SPEC",
     "TransformerLayer",
+    "column_linear",
+    "row_linear",
     "RECOMPUTE",
     "init_parameter_",
     "ACTIVATIONS",
@@ -141,9 +150,11 @@ def _checkpoint(fn, *args):
     )
 
 
-def _column(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
+def column_linear(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
     """The output-splitting GEMM: an fp8train Linear, or its column-parallel shard under TP
-    (under sequence parallelism its input arrives as sequence shards and is all-gathered)."""
+    (under sequence parallelism its input arrives as sequence shards and is all-gathered).
+    ``blocks``: the output is that many fused blocks, each split over the ranks. Public so a
+    block plugged in through a ``LayerSpec`` splits the way the stock ones do."""
     if ctx.tp_group is None:
         return Linear(in_f, out_f, bias, **ctx.linear_kwargs())
     return ColumnParallelLinear(
@@ -153,7 +164,7 @@ def _column(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
     )  # fmt: skip
 
 
-def _row(in_f, out_f, bias, ctx: BuildContext):
+def row_linear(in_f, out_f, bias, ctx: BuildContext):
     """The input-splitting GEMM: its partial outputs are all-reduced over the TP group, or
     reduce-scattered into sequence shards under sequence parallelism."""
     if ctx.tp_group is None:
@@ -383,9 +394,9 @@ class SelfAttention(nn.Module):
         self.tp_sharded = tp > 1
         qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim * tp
         bias = config.add_bias_linear
-        self.qkv = _column(config.hidden_size, qkv_out, bias, ctx)
+        self.qkv = column_linear(config.hidden_size, qkv_out, bias, ctx)
         proj_in = self.num_heads * self.head_dim * tp
-        self.proj = _row(proj_in, config.hidden_size, bias, ctx)
+        self.proj = row_linear(proj_in, config.hidden_size, bias, ctx)
 
     def forward(
         self,
@@ -469,8 +480,8 @@ class MLP(nn.Module):
         bias = config.add_bias_linear
         # SwiGLU: each rank takes a slice of the gate half and the matching slice of the up half.
         fc1_out, blocks = (2 * f, 2) if self.swiglu else (f, 1)
-        self.fc1 = _column(config.hidden_size, fc1_out, bias, ctx, blocks)
-        self.fc2 = _row(f, config.hidden_size, bias, ctx)
+        self.fc1 = column_linear(config.hidden_size, fc1_out, bias, ctx, blocks)
+        self.fc2 = row_linear(f, config.hidden_size, bias, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [b, s, f] or [b, s, 2f]
@@ -482,6 +493,34 @@ class MLP(nn.Module):
         return self.fc2(y)  # [b, s, h]
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a ``TransformerLayer`` builds its two sublayers from: classes (or any callables)
+    built as ``attention(config, ctx, causal=..., recompute_core=...)`` and
+    ``mlp(config, ctx)``, in that order, under the names ``attention`` and ``mlp``.
+
+    Their forwards are ``attention(x, rotary, attn_mask, kv_cache)`` and ``mlp(x)``, each
+    ``[b, s, h]`` (sequence shards under sequence parallelism) -> ``[b, s, h]``, as
+    ``SelfAttention`` and ``MLP``. A replacement that makes its GEMMs with
+    ``column_linear`` / ``row_linear`` gets the context's FP8 recipe, tensor and sequence
+    parallelism, and slice-wise materialisation (``models.base``: those layers have
+    ``reset_parameters()``). What reads module names stays the family's to adapt:
+    ``init_parameter_`` scales the output projections named ``proj`` and ``fc2``, and
+    ``TransformerConfig.fused_tensors`` and ``layer_flops_per_step`` describe the stock ``MLP``.
+    """
+
+    attention: Callable[..., nn.Module] = SelfAttention
+    mlp: Callable[..., nn.Module] = MLP
+
+    def __post_init__(self):
+        for name in ("attention", "mlp"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"LayerSpec.{name}={getattr(self, name)!r} is not callable")
+
+
+DEFAULT_LAYER_SPEC = LayerSpec()  # GPT, RoBERTa, ViT: fused-QKV attention and the stock MLP
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block (``norm_position="pre"``): ``x + drop(attn(input_norm(x)))`` then
     ``x + drop(mlp(post_attention_norm(x)))``. Post-norm (BERT/RoBERTa):
@@ -490,6 +529,8 @@ class TransformerLayer(nn.Module):
     recompute: one of ``RECOMPUTE`` (module doc); applies only while autograd records.
     attn_mask: boolean, broadcastable to ``[b, heads, s, s]``, True = attend (padding masks).
     kv_cache: this layer's ``LayerKVCache`` for incremental decoding (``SelfAttention``).
+    spec: the attention and MLP classes (``LayerSpec``); the norms, residuals, dropout and
+    recompute around them are this block's whatever the spec.
     """
 
     def __init__(
@@ -499,6 +540,7 @@ class TransformerLayer(nn.Module):
         *,
         causal: bool = True,
         recompute: str = "none",
+        spec: LayerSpec = DEFAULT_LAYER_SPEC,
     ):
         super().__init__()
         ctx = ctx or BuildContext()
@@ -508,11 +550,13 @@ class TransformerLayer(nn.Module):
         self.post_norm = config.norm_position == "post"
         if not self.post_norm:
             self.input_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
-        self.attention = SelfAttention(
+        # Construction order (input norm, attention, norm, MLP, norm) is the RNG draw order
+        # of the initialisation: keep it whatever the spec.
+        self.attention = spec.attention(
             config, ctx, causal=causal, recompute_core=recompute == "selective"
         )
         self.post_attention_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
-        self.mlp = MLP(config, ctx)
+        self.mlp = spec.mlp(config, ctx)
         if self.post_norm:
             self.post_mlp_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
         self.dropout = nn.Dropout(config.hidden_dropout)

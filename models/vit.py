@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,13 @@ from torch import nn
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
-from models.transformer import TransformerConfig, TransformerLayer, init_parameter_
+from models.transformer import (
+    DEFAULT_LAYER_SPEC,
+    LayerSpec,
+    TransformerConfig,
+    TransformerLayer,
+    init_parameter_,
+)
 from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
 __all__ = ["ViTConfig", "ViTModel", "interpolate_position_embeddings", "patchify"]
@@ -126,6 +133,11 @@ class ViTModel(ParallelModel):
     ``layers.{i}`` (global index); ``final_norm``, ``classifier`` (last stage).
     """
 
+    # The blocks' attention and MLP classes. A class attribute, not a constructor argument:
+    # the single-process reference of a split model is rebuilt through ``(config, ctx,
+    # pipeline)`` alone (models.base), so a variant is a subclass that overrides this.
+    layer_spec: ClassVar[LayerSpec] = DEFAULT_LAYER_SPEC
+
     def __init__(self, config: ViTConfig, ctx: BuildContext | None = None, pipeline=None):
         ctx = ctx or BuildContext()
         tp = ctx.tp if ctx.sequence_parallel else 1
@@ -143,8 +155,9 @@ class ViTModel(ParallelModel):
             self.class_token = ClassToken(h, device=device)
             self.position_embeddings = nn.Embedding(cfg.seq_length, h, device=device)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        spec = self.layer_spec
         self.layers = LayerDict(
-            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute))
+            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute, spec=spec))
             for i in stage.local_layers()
         )
         if stage.has_head():

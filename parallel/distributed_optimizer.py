@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fp8train.param_state import scale_inv_of
+
 __all__ = ["assign_owners", "ownership_balance", "ParamGather"]
 
 
@@ -56,10 +58,6 @@ def _short(dtype: torch.dtype) -> str:
     return "fp8" if name.startswith("float8") else {"float16": "fp16"}.get(name, name)
 
 
-def _scale_of(p: torch.Tensor) -> torch.Tensor | None:
-    return getattr(p, "scale_inv", None)
-
-
 class ParamGather:
     """All-gather of the owners' updated parameters over the data-parallel ``group``."""
 
@@ -69,7 +67,7 @@ class ParamGather:
         # Bytes each rank contributes: its parameters' storage, then their scale_inv values.
         self.sizes = [0] * self.world
         for p, r in zip(params, owners):
-            self.sizes[r] += p.nbytes + (4 if _scale_of(p) is not None else 0)
+            self.sizes[r] += p.nbytes + (4 if scale_inv_of(p) is not None else 0)
         self.mine = [p for p, r in zip(params, owners) if r == self.rank]
 
     @torch.no_grad()
@@ -97,7 +95,7 @@ class ParamGather:
     @staticmethod
     def _pack(params, device) -> torch.Tensor:
         parts = [p.detach().reshape(-1).view(torch.uint8) for p in params]
-        scales = [_scale_of(p) for p in params]
+        scales = [scale_inv_of(p) for p in params]
         scales = [s.detach().float().reshape(1) for s in scales if s is not None]
         if scales:
             parts.append(torch.cat(scales).view(torch.uint8))
@@ -112,11 +110,11 @@ class ParamGather:
             n = p.nbytes
             p.detach().reshape(-1).view(torch.uint8).copy_(piece[offset : offset + n])
             offset += n
-        scaled = [p for p in params if _scale_of(p) is not None]
+        scaled = [p for p in params if scale_inv_of(p) is not None]
         if scaled:
             values = piece[offset : offset + 4 * len(scaled)].view(torch.float32)
             for p, value in zip(scaled, values):
-                _scale_of(p).copy_(value)
+                scale_inv_of(p).copy_(value)
 
     def _record(self) -> None:
         if self.meter is None:
@@ -127,5 +125,5 @@ class ParamGather:
         for p in self.mine:
             name = "all_gather_params_" + _short(p.dtype)
             self.meter.record(name, "data", p.dtype, others * p.nbytes, others * p.numel())
-            if _scale_of(p) is not None:
+            if scale_inv_of(p) is not None:
                 self.meter.record(name, "data", torch.float32, others * 4, elements=0)

@@ -2,10 +2,11 @@
 backward produces them (Megatron's DDP with ``overlap_grad_reduce``).
 
 Storage follows the level's weight-gradient column: one flat FP32 buffer for the high-precision
-gradients (every parameter's ``main_grad`` is a view into it; a post-accumulate hook adds each
-micro-batch's ``.grad`` there and frees it, so BF16 gradients also accumulate in FP32), and one
-flat FP8 buffer for the O1-O3 weight-gradient slots with a per-parameter region of FP32
-``scale_inv`` and ``amax`` (each ``Fp8GradSlot`` is bound to views of them).
+gradients (every parameter's ``main_grad``, its ``fp8train.param_state.grad_slot``, is a view
+into it; a post-accumulate hook adds each micro-batch's ``.grad`` there and frees it, so BF16
+gradients also accumulate in FP32), and one flat FP8 buffer for the O1-O3 weight-gradient
+slots with a per-parameter region of FP32 ``scale_inv`` and ``amax`` (each ``Fp8GradSlot`` is
+bound to views of them).
 
 Buckets: parameters are taken in reverse registration order (roughly the order backward
 finishes them) and grouped per dtype into buckets of at least ``bucket_size`` elements. A
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fp8train.low_precision import Fp8GradSlot
+from fp8train.param_state import fp8_grad_slot, grad_slot, set_grad_slot
 
 from .fp8_comm import (
     cast_owned_chunk,
@@ -114,7 +115,7 @@ class GradBuffers:
         for p in reversed(self.params):
             if id(p) in held:
                 continue
-            fp8 = isinstance(getattr(p, "main_grad", None), Fp8GradSlot)
+            fp8 = fp8_grad_slot(p) is not None
             open_[fp8].append(p)
             sizes[fp8] += p.numel()
             if sizes[fp8] >= bucket_size:
@@ -168,14 +169,14 @@ class GradBuffers:
             for p in bucket.params:
                 n = p.numel()
                 if bucket.fp8:
-                    slot = p.main_grad
+                    slot = fp8_grad_slot(p)
                     view = self.fp8[offset : offset + n].view(slot.fmt.dtype).view(p.shape)
                     slot.bind(view, self.scale_inv[slot_index], self.amax[slot_index])
                     slot.on_accumulate = self._hook_for(p)
                     bucket.slots.append(slot)
                     slot_index += 1
                 else:
-                    p.main_grad = self.fp32[offset : offset + n].view(p.shape)
+                    set_grad_slot(p, self.fp32[offset : offset + n].view(p.shape))
                     p.register_post_accumulate_grad_hook(_accumulate_then(self._hook_for(p)))
                 offset += n
 
@@ -299,7 +300,7 @@ class GradBuffers:
 
 def _accumulate_then(ready: Callable[[], None]):
     def hook(param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        grad_slot(param).add_(param.grad)
         param.grad = None
         ready()
 

@@ -234,15 +234,19 @@ class RunsByWorld:
 def grad_value(p) -> torch.Tensor:
     """The gradient a step would use: an FP8 slot dequantized, the FP32 ``main_grad`` of the
     gradient buffers, or plain ``.grad`` (a model trained without TrainOptimizer)."""
-    slot = getattr(p, "main_grad", None)
+    from fp8train.param_state import grad_slot
+
+    slot = grad_slot(p)
     if slot is None:
         return p.grad
-    return slot.dequantize() if hasattr(slot, "dequantize") else slot
+    return slot if isinstance(slot, torch.Tensor) else slot.dequantize()
 
 
 def weight_value(p) -> torch.Tensor:
     """A parameter's value: FP16/FP8 storage times its per-tensor ``scale_inv``."""
-    scale_inv = getattr(p, "scale_inv", None)
+    from fp8train.param_state import scale_inv_of
+
+    scale_inv = scale_inv_of(p)
     w = p.detach().float()
     return w if scale_inv is None else w * scale_inv
 

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saving (``checkpoint.async_save``, training/async_checkpoint.py).
+"""Asynchronous checkpoint saving (``checkpoint.async_save``, checkpoint/async_writer.py).
 
 - The tiny GPT on 2 gloo ranks with dropout, saving every 2 steps in the background, is stopped
   by a real SIGTERM (sent while a writer thread is writing) and resumed: every iteration's loss
@@ -26,9 +26,9 @@ from conftest import REPO, tiny_overrides
 from multiproc import end_worker, logged_losses, rank_env, run_ranks
 from safetensors.torch import load_file
 
-from training import checkpointing
-from training.async_checkpoint import CheckpointSaver
-from training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
+from checkpoint import store as checkpointing
+from checkpoint.async_writer import CheckpointSaver
+from checkpoint.store import CheckpointError, latest_checkpoint, load_checkpoint
 
 STEPS, EVERY = 8, 2
 

@@ -18,8 +18,8 @@ import signal
 import pytest
 import torch
 
-from training import checkpointing
-from training.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import store as checkpointing
+from checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
 
 FILE = "model.safetensors"
 STEPS = ("write_tensors", "save_file", "_fsync", "_write_pointer", "_prune")

@@ -1,4 +1,4 @@
-"""The canonical checkpoint format (training/checkpoint_format.py): its reader on synthetic
+"""The canonical checkpoint format (checkpoint/format.py): its reader on synthetic
 files, and the issue's acceptance test on real checkpoints.
 
 Synthetic: every layout the format describes (column and row splits, SwiGLU-style blocks
@@ -53,7 +53,7 @@ from conftest import REPO, tiny_overrides
 from multiproc import pretrain_ranks
 from safetensors.torch import load_file, save_file
 
-from training.checkpoint_format import (
+from checkpoint.format import (
     optimizer_layouts,
     read_layouts,
     reassemble,
@@ -329,7 +329,7 @@ _CLEAN_READER = """
 import json, sys
 from pathlib import Path
 from safetensors.torch import save_file
-from training.checkpoint_format import reassemble
+from checkpoint.format import reassemble
 out = Path(sys.argv[1])
 for i, path in enumerate(sys.argv[2:]):
     for kind in ("model", "optimizer"):
@@ -416,7 +416,7 @@ def test_reader_imports_no_model_code(fp32_runs):
     assert not [m for m in modules if m.startswith(tuple(f"{p}." for p in MODEL_CODE))]
     assert not set(MODEL_CODE) & modules
     # Only the reader itself (and its empty package) from the whole project.
-    assert modules == {"training", "training.checkpoint_format"}
+    assert modules == {"checkpoint", "checkpoint.format"}
 
 
 def test_tp2_pp2_reassembles_to_the_single_process_checkpoint(fp32_runs):

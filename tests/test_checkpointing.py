@@ -1,5 +1,5 @@
 """Checkpoint files: atomic publication, pruning, the latest pointer, clear errors for damaged
-checkpoints, and refusal of other format versions (training/checkpointing.py)."""
+checkpoints, and refusal of other format versions (checkpoint/store.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from training.checkpoint_format import FORMAT_VERSION, read_layouts
-from training.checkpointing import (
+from checkpoint.format import FORMAT_VERSION, read_layouts
+from checkpoint.store import (
     CheckpointError,
     check_format,
     latest_checkpoint,

@@ -1,4 +1,4 @@
-"""tools/convert_checkpoint.py and models.load_pretrained against transformers itself.
+"""tools/convert_checkpoint.py and families.load_pretrained against transformers itself.
 
 Every Hugging Face model is random and built locally from a config (``save_pretrained`` to a
 temp dir), with a vocabulary of 1000 (not a multiple of 128, so padding is added on import and
@@ -21,7 +21,7 @@ import transformers  # a test dependency (requirements.txt): the independent ref
 from conftest import REPO, tiny_overrides
 from safetensors.torch import load_file
 
-from models import load_pretrained
+from families import load_pretrained
 from tools.convert_checkpoint import main as convert_main
 
 V, H, LAYERS, HEADS, KV, POSITIONS = 1000, 32, 2, 4, 2, 32

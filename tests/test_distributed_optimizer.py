@@ -593,7 +593,7 @@ def test_resume_with_distributed_optimizer(tiny_data, tmp_path, capfd):
     assert sorted((resumed / "tensorboard").iterdir()) == events
     assert len(_records(resumed)) == 6
     # Without the distributed optimizer the same checkpoint loads too: its shards are
-    # gathered into each replica's full optimizer state (training/reshard.py); one more step.
+    # gathered into each replica's full optimizer state (checkpoint/reshard.py); one more step.
     replicated = {**extra, "optimizer.distributed": "false", "training.train_iters": 7}
     pretrain_ranks(2, [(config[1], tiny_overrides(tiny_data, resumed, "O2", **replicated))])
     assert "resharded" in capfd.readouterr().out

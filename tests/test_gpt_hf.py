@@ -233,7 +233,7 @@ def test_export_of_a_training_checkpoint(tmp_path):
     """A canonical (format-2) checkpoint of the GPT family with FP8 scaling state (level te),
     as training writes it: the export leaves the FP8 state out and transformers gives the
     logits of this project's model with those weights."""
-    from training.checkpoint_format import write_tensors
+    from checkpoint.format import write_tensors
 
     style = OUR_STYLES["llama"]
     section = GPTModelSection(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS,
@@ -404,10 +404,10 @@ def trained(tiny_data, tmp_path_factory):
 def test_exported_training_checkpoint_gives_the_same_logits_in_transformers(
     trained, style, tmp_path
 ):
+    from checkpoint.format import reassemble
     from families.gpt import GPTModelSection
     from models.gpt import GPTModel
     from tools.export_hf import main as export_main
-    from training.checkpoint_format import reassemble
 
     # The tool's main in this process (the script as a process: tests/test_vit_training.py).
     checkpoint = trained[style] / "checkpoints" / "iter_0000003"

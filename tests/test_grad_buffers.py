@@ -19,6 +19,7 @@ import torch
 
 from fp8train.convert import apply_level_storage
 from fp8train.low_precision import Fp8GradSlot
+from fp8train.param_state import grad_slot
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
@@ -75,7 +76,7 @@ def test_gradients_are_views_of_two_flat_buffers(level):
     buffers = GradBuffers(params, bucket_size=5000)
     fp32_spans, fp8_spans, slot_indices = [], [], []
     for p in params:
-        grad = p.main_grad
+        grad = grad_slot(p)
         if isinstance(grad, Fp8GradSlot):
             assert grad.data.dtype == torch.float8_e4m3fn and grad.shape == p.shape
             assert _is_view_of(grad.data, buffers.fp8)
@@ -116,7 +117,7 @@ def test_buckets_follow_reverse_order_per_dtype_and_hold_back():
         members = [p for b in buckets for p in b.params]
         # Reverse registration order, every parameter of the dtype exactly once.
         expected = [p for p in reversed(params) if p is not held]
-        expected = [p for p in expected if isinstance(p.main_grad, Fp8GradSlot) == fp8]
+        expected = [p for p in expected if isinstance(grad_slot(p), Fp8GradSlot) == fp8]
         assert [order[id(p)] for p in members] == [order[id(p)] for p in expected]
         for bucket in buckets[:-1]:  # closed as soon as it reached bucket_size
             sizes = [p.numel() for p in bucket.params]
@@ -127,7 +128,7 @@ def test_buckets_follow_reverse_order_per_dtype_and_hold_back():
         base = buffers.fp8 if bucket.fp8 else buffers.fp32
         offset = bucket.offset
         for p in bucket.params:
-            grad = p.main_grad.data if bucket.fp8 else p.main_grad
+            grad = grad_slot(p).data if bucket.fp8 else grad_slot(p)
             assert _offset(grad.view(torch.uint8) if bucket.fp8 else grad, base) == offset
             offset += p.numel()
 
@@ -138,7 +139,7 @@ def test_zero_clears_both_buffers():
     buffers.start_step(1)
     _backward(model, _batches(1)[0], 1)
     buffers.finish()
-    slots = [p.main_grad for p in _params(model) if isinstance(p.main_grad, Fp8GradSlot)]
+    slots = [grad_slot(p) for p in _params(model) if isinstance(grad_slot(p), Fp8GradSlot)]
     assert buffers.fp32.abs().sum() > 0 and buffers.fp8.any()
     assert all(s.has_data for s in slots)
     buffers.zero_()
@@ -163,14 +164,14 @@ def test_accumulation_equals_plain_autograd(level):
         assert all(p.grad is None for p in params)  # moved into main_grad and freed
     buffers.finish()
     for p, r in zip(params, ref):
-        if isinstance(p.main_grad, Fp8GradSlot):
+        if isinstance(grad_slot(p), Fp8GradSlot):
             assert torch.equal(
-                p.main_grad.data.view(torch.uint8), r.main_grad.data.view(torch.uint8)
+                grad_slot(p).data.view(torch.uint8), grad_slot(r).data.view(torch.uint8)
             )
-            assert torch.equal(p.main_grad.scale_inv, r.main_grad.scale_inv)
-            assert torch.equal(p.main_grad.amax, r.main_grad.amax)
+            assert torch.equal(grad_slot(p).scale_inv, grad_slot(r).scale_inv)
+            assert torch.equal(grad_slot(p).amax, grad_slot(r).amax)
         else:
-            assert torch.equal(p.main_grad, r.grad)
+            assert torch.equal(grad_slot(p), r.grad)
 
 
 def test_bf16_gradients_accumulate_in_fp32():
@@ -191,7 +192,7 @@ def test_bf16_gradients_accumulate_in_fp32():
             total += r.grad.float()
     buffers.finish()
     for p, total in zip(params, sums):
-        assert torch.equal(p.main_grad, total)
+        assert torch.equal(grad_slot(p), total)
     # A BF16 running sum would have rounded: the FP32 one keeps bits BF16 cannot hold.
     assert any(not torch.equal(t, t.bfloat16().float()) for t in sums)
 

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp8train.formats import E4M3
 from fp8train.low_precision import Fp8GradSlot, ScaledTensor
 from fp8train.optim import LowBitAdamW, _add_update_
+from fp8train.param_state import fp8_grad_slot, scale_inv_of, set_grad_slot, set_scale_inv
 
 FP8 = E4M3.dtype
 O2 = dict(exp_avg_dtype=FP8, exp_avg_sq_dtype=torch.float16)
@@ -25,13 +26,19 @@ O2 = dict(exp_avg_dtype=FP8, exp_avg_sq_dtype=torch.float16)
 def scaled_param(w: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     stored = ScaledTensor.quantize(w, dtype)
     p = nn.Parameter(stored.data)
-    p.scale_inv = stored.scale_inv
-    p.main_grad = Fp8GradSlot(p.shape)
+    set_scale_inv(p, stored.scale_inv)
+    set_grad_slot(p, Fp8GradSlot(p.shape))
     return p
 
 
 def value(p: torch.Tensor) -> torch.Tensor:
-    return p.detach().float() * p.scale_inv
+    return p.detach().float() * scale_inv_of(p)
+
+
+def scale_or_one(p: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale of a scaled parameter; 1 for a plain one."""
+    scale_inv = scale_inv_of(p)
+    return torch.ones(()) if scale_inv is None else scale_inv
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +50,7 @@ def assert_same_bits(params_a, opt_a, params_b, opt_b) -> None:
     """Every weight, scale and optimizer state of two optimizers' parameters, bit for bit."""
     for a, b in zip(params_a, params_b, strict=True):
         assert torch.equal(bits(a), bits(b))
-        assert torch.equal(getattr(a, "scale_inv", a), getattr(b, "scale_inv", b))
+        assert torch.equal(scale_or_one(a), scale_or_one(b))
         for key, t in opt_a.state[a].items():
             assert torch.equal(bits(opt_b.state[b][key]), bits(t))
 
@@ -67,9 +74,10 @@ def within_rounding(ours: torch.Tensor, ref: torch.Tensor, half_ulp: torch.Tenso
 def random_grads(params, gen, scale=1.0):
     for p in params:
         g = torch.randn(p.shape, generator=gen) * scale
-        if isinstance(getattr(p, "main_grad", None), Fp8GradSlot):
-            p.main_grad.zero_()
-            p.main_grad.accumulate(g)
+        slot = fp8_grad_slot(p)
+        if slot is not None:
+            slot.zero_()
+            slot.accumulate(g)
         else:
             p.grad = g
 
@@ -201,7 +209,7 @@ def test_scaled_weight_each_step_is_float64_adamw_rounded(dtype, moments):
     """
     torch.manual_seed(0)
     p = scaled_param(torch.randn(24, 16) * 0.1, dtype)
-    scale_buffer = p.scale_inv
+    scale_buffer = scale_inv_of(p)
     opt = LowBitAdamW([p], lr=1e-2, weight_decay=0.1, **moments)
     gen = torch.Generator().manual_seed(1)
     random_grads([p], gen, 1e-3)
@@ -220,20 +228,20 @@ def test_scaled_weight_each_step_is_float64_adamw_rounded(dtype, moments):
         random_grads([p], gen, 1e-3)
         st = opt.state[p]
         before = dequant(st["master"], st["master_scale_inv"]) if dtype == FP8 else value(p)
-        ref = _float64_step(before, p.main_grad.dequantize(), st, opt.param_groups[0])
+        ref = _float64_step(before, fp8_grad_slot(p).dequantize(), st, opt.param_groups[0])
         opt.step()
         if dtype == FP8:
             w = dequant(st["master"], st["master_scale_inv"])
             w_half_ulp = ulp(st["master"], st["master_scale_inv"]) / 2
             recast = ScaledTensor.quantize(w, FP8)
             assert torch.equal(bits(p), bits(recast.data))
-            assert torch.equal(p.scale_inv, recast.scale_inv)
+            assert torch.equal(scale_inv_of(p), recast.scale_inv)
         else:
-            w, w_half_ulp = value(p), ulp(p, p.scale_inv) / 2
+            w, w_half_ulp = value(p), ulp(p, scale_inv_of(p)) / 2
             assert 32752 < p.detach().float().abs().max() <= 65504
         within_rounding(w, ref["weight"], w_half_ulp)
-        assert p.scale_inv is scale_buffer  # updated in place: the module's buffer
-        assert torch.frexp(p.scale_inv)[0] == 0.5  # a power of two
+        assert scale_inv_of(p) is scale_buffer  # updated in place: the module's buffer
+        assert torch.frexp(scale_inv_of(p))[0] == 0.5  # a power of two
         for key in ("exp_avg", "exp_avg_sq"):
             si = st.get(f"{key}_scale_inv", torch.ones(()))
             half = ulp(st[key], si) / 2 if f"{key}_scale_inv" in st else torch.zeros(())
@@ -263,14 +271,14 @@ def test_scaled_weight_free_running_tracks_float64_adamw(dtype):
     gen = torch.Generator().manual_seed(1)
     for _ in range(100):
         random_grads([p], gen, 1e-2)
-        q.grad = p.main_grad.dequantize().double()
+        q.grad = fp8_grad_slot(p).dequantize().double()
         opt.step()
         ref.step()
         st = opt.state[p]
-        stored = (st["master"], st["master_scale_inv"]) if dtype == FP8 else (p, p.scale_inv)
+        stored = (st["master"], st["master_scale_inv"]) if dtype == FP8 else (p, scale_inv_of(p))
         bound += ulp(*stored) / 2 + 2.0**-20 * q.detach().abs()
         assert ((dequant(*stored).double() - q.detach()).abs() <= bound).all()
-    assert ((value(p).double() - q.detach()).abs() <= bound + ulp(p, p.scale_inv) / 2).all()
+    assert ((value(p).double() - q.detach()).abs() <= bound + ulp(p, scale_inv_of(p)) / 2).all()
     assert (dequant(*stored).double() - q.detach()).norm() / q.detach().norm() < 2.0**-8
 
 
@@ -285,7 +293,7 @@ def _mixed_model():
 
 
 def _snapshot(params):
-    return [(p.detach().clone(), getattr(p, "scale_inv", torch.ones(())).clone()) for p in params]
+    return [(p.detach().clone(), scale_or_one(p).clone()) for p in params]
 
 
 def _rebuild(snapshot):
@@ -293,8 +301,8 @@ def _rebuild(snapshot):
     for data, scale_inv in snapshot:
         p = nn.Parameter(data.clone())
         if data.dtype != torch.float32:
-            p.scale_inv = scale_inv.clone()
-            p.main_grad = Fp8GradSlot(p.shape)
+            set_scale_inv(p, scale_inv.clone())
+            set_grad_slot(p, Fp8GradSlot(p.shape))
         out.append(p)
     return out
 
@@ -376,12 +384,12 @@ def test_param_without_grad_is_skipped_and_keeps_its_state():
     before = {id(p): {k: t.clone() for k, t in opt.state[p].items()} for p in params}
     weights = _snapshot(params)
     opt.zero_grad()  # clears .grad and the FP8 gradient slots
-    assert all(not p.main_grad.has_data for p in params[1:]) and params[0].grad is None
+    assert all(not fp8_grad_slot(p).has_data for p in params[1:]) and params[0].grad is None
     random_grads(params[2:], gen)
     opt.step()
     for p, (data, scale_inv) in zip(params[:2], weights):
         assert torch.equal(bits(p), bits(data))
-        assert torch.equal(getattr(p, "scale_inv", scale_inv), scale_inv)
+        assert torch.equal(scale_or_one(p), scale_inv)
         for key, t in opt.state[p].items():
             assert torch.equal(bits(t), bits(before[id(p)][key]))
     assert opt.state[params[2]]["step"] == 4

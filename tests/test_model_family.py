@@ -5,7 +5,10 @@ sequence classifier on synthetic data. Each sample is a float feature sequence `
 drawn from the run's seed; a fixed random linear "teacher" of the mean feature gives its class.
 The model is input projection -> ``num_layers`` non-causal ``TransformerLayer`` blocks -> final
 norm -> mean over the sequence -> classification head, and it is registered at import, so
-spawned or forked ranks see it. Nothing in training/ or parallel/ knows about it.
+spawned or forked ranks see it. Nothing in training/ or parallel/ knows about it. Its blocks
+also show the other extension point, a layer spec: their MLP is this file's ``ToyGatedMLP``
+(GEGLU from the project's parallel linears), swapped in through ``ToyModel.layer_spec`` with
+no edit of models/transformer.py, so every layout below trains the swapped class too.
 
 Each layout trains it through ``training.loop.pretrain(cfg, family="toy")`` for 5 fp32 steps
 (4 micro-batches of 2 per step, dropout 0, one evaluation at the end) and is checked against
@@ -15,10 +18,10 @@ under the same names and within 1e-4 relative L2 per tensor (``multiproc.ADAM_WE
 Adam magnifies the rounding of near-eps gradient elements), except the attention key biases,
 which are rounding noise in every run and are checked to stay noise-sized (``weight_errors``).
 Layouts: TP=2, TP=2 with sequence parallelism, PP=2, PP=2 x virtual 2 (world size 2, run one
-after the other in one pair of forked ranks). Measured: pipeline losses bitwise equal, weights
-<= 1.4e-7 (the grad norm summed over the stages moves the clip coefficient by an FP32 ulp);
-TP losses 8.5e-8, weights <= 2.9e-7 (sharded GEMMs sum in another grouping); key biases
-<= 7.3e-7 in magnitude.
+after the other in one pair of forked ranks). Measured (with the gated MLP): pipeline losses
+bitwise equal, weights <= 8.8e-8 (the grad norm summed over the stages moves the clip
+coefficient by an FP32 ulp); TP losses 8.6e-8, weights <= 3.0e-7, 3.9e-7 with sequence
+parallelism (sharded GEMMs sum in another grouping); key biases <= 5.6e-7 in magnitude.
 
 In one process: each pipeline stage of the toy model holds bitwise the single-process tensors
 (slice-wise materialisation), and a family or model class that forgets an abstract method is a
@@ -44,7 +47,14 @@ from families.sections import TextTransformerSection
 from fp8train.linear import Linear
 from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
-from models.transformer import TransformerConfig, TransformerLayer, make_norm
+from models.transformer import (
+    LayerSpec,
+    TransformerConfig,
+    TransformerLayer,
+    column_linear,
+    make_norm,
+    row_linear,
+)
 from parallel.pipeline.layout import PipelineLayout
 from parallel.tensor_parallel.mappings import gather_from_region, scatter_to_region
 
@@ -104,22 +114,44 @@ def synthetic_samples(n: int, seq: int, data: ToyData, seed: int):
     return features, labels
 
 
+class ToyGatedMLP(nn.Module):
+    """GEGLU, ``fc2(gelu(gate(x)) * up(x))`` (h -> f, f -> h): the stock ``MLP``'s place in
+    the toy's blocks, through its ``LayerSpec``. ``gate`` and ``up`` are two unfused
+    column-parallel GEMMs, so each rank holds matching slices of both and their product needs
+    no communication (no fused-layout metadata either); ``fc2`` is row-parallel."""
+
+    def __init__(self, config: TransformerConfig, ctx: BuildContext):
+        super().__init__()
+        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        self.gate = column_linear(h, f, bias, ctx)
+        self.up = column_linear(h, f, bias, ctx)
+        self.fc2 = row_linear(f, h, bias, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(self.gate(x), approximate="tanh") * self.up(x)  # [b, s, f/tp]
+        return self.fc2(y)  # [b, s, h]
+
+
 class ToyModel(ParallelModel):
     """``features [b, s, d_in]`` -> logits ``[b, num_classes]`` (float32).
 
     Names, as the single-process model has them: ``input_proj`` (first stage), ``layers.{i}``
     (global index), ``final_norm`` and ``head`` (last stage). The input projection and the
     head are small and replicated over tensor-parallel ranks; the transformer blocks split
-    themselves when ``ctx.tp_group`` is set.
+    themselves when ``ctx.tp_group`` is set. Block MLPs are ``ToyGatedMLP`` (``layer_spec``):
+    ``layers.{i}.mlp.{gate, up, fc2}``.
     """
+
+    layer_spec: ClassVar[LayerSpec] = LayerSpec(mlp=ToyGatedMLP)
 
     def build(self, ctx: BuildContext) -> None:
         cfg, stage, device = self.config, self.pipeline, ctx.device
         if stage.has_embedding():
             # recipe=None: kept in high precision at every level, like GPT's embeddings.
             self.input_proj = Linear(cfg.input_size, cfg.hidden_size, recipe=None, device=device)
+        spec = self.layer_spec
         self.layers = LayerDict(
-            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute))
+            (str(i), TransformerLayer(cfg, ctx, causal=False, recompute=cfg.recompute, spec=spec))
             for i in stage.local_layers()
         )
         if stage.has_head():
@@ -200,10 +232,12 @@ class ToyFamily(ModelFamily):
         return total / count, {"loss": (total, count), "accuracy": (correct, count)}
 
     def flops_per_step(self, config: ToyConfig, global_batch_size: int) -> float:
-        """The blocks (bidirectional: every score counts) plus the projection and head."""
+        """The blocks (bidirectional: every score counts) plus the projection and head;
+        ``layer_flops_per_step`` counts the stock MLP's two GEMMs, the gated one has a third."""
         b, s, h = global_batch_size, config.seq_length, config.hidden_size
         blocks = config.layer_flops_per_step(b, s, causal=False)
-        return blocks + 6.0 * b * (s * config.input_size * h + h * config.num_classes)
+        gate = 6.0 * b * s * config.num_layers * h * config.ffn_hidden_size
+        return blocks + gate + 6.0 * b * (s * config.input_size * h + h * config.num_classes)
 
     def checkpoint_structure(self, config: ToyConfig, data: ToyData | None = None) -> dict:
         """The shared blocks' fused tensors (layouts in models/transformer.py)."""
@@ -283,8 +317,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from training.checkpoint_format import reassemble
-    from training.checkpointing import latest_checkpoint
+    from checkpoint.format import reassemble
+    from checkpoint.store import latest_checkpoint
 
     path = latest_checkpoint(run_dir / "checkpoints")
     assert path is not None and path.name == f"iter_{STEPS:07d}", path
@@ -378,6 +412,34 @@ def test_pipeline_stages_are_cut_from_the_single_process_model():
                 assert torch.equal(p, full[name]), name
             held += [name for name, _ in stage.named_parameters()]
     assert sorted(held) == sorted(full)  # the stages partition the model
+
+
+def test_the_layer_spec_puts_the_toy_mlp_in_every_block(runs):
+    """The spec reaches every block: each ``mlp`` is ``ToyGatedMLP``, the forward runs it and
+    the loss's gradient reaches all its weights, and the trained checkpoint holds its tensors
+    and no stock ``fc1`` (that the layouts train it alike is checked above)."""
+    config = _model_config()
+    model = ToyModel(config)
+    mlps = [layer.mlp for layer in model.layers]
+    assert len(mlps) == config.num_layers and all(type(m) is ToyGatedMLP for m in mlps)
+    ran = []
+    for m in mlps:
+        m.register_forward_hook(lambda module, args, out: ran.append(module))
+    features = torch.randn(2, config.seq_length, config.input_size)
+    logits = model.forward_chunk(0, None, {"features": features})
+    F.cross_entropy(logits, torch.tensor([0, 1])).backward()
+    assert ran == mlps
+    for name, p in model.named_parameters():
+        if ".mlp." in name and name.endswith("weight"):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    trained = _final_weights(runs["single"])
+    assert {f"layers.3.mlp.{part}.weight" for part in ("gate", "up", "fc2")} <= set(trained)
+    assert not any(".mlp.fc1." in name for name in trained)
+
+
+def test_a_layer_spec_refuses_what_it_cannot_build():
+    with pytest.raises(TypeError, match="LayerSpec.mlp"):
+        LayerSpec(mlp="ToyGatedMLP")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ def _overrides(data, run_dir) -> list[str]:
 
 
 def _checkpoint_tensors(run_dir) -> dict[str, torch.Tensor]:
-    from training.checkpoint_format import reassemble
-    from training.checkpointing import latest_checkpoint
+    from checkpoint.format import reassemble
+    from checkpoint.store import latest_checkpoint
 
     path = latest_checkpoint(run_dir / "checkpoints")
     assert path is not None and path.name == "iter_0000006", path

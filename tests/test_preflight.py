@@ -23,9 +23,9 @@ import pytest
 from conftest import REPO, tiny_overrides
 from multiproc import TORCHRUN
 
+from checkpoint.store import CheckpointError
 from data.indexed import check_index_header
 from data.paths import directory_problem
-from training.checkpointing import CheckpointError
 from training.config import ConfigError, load_config
 from training.preflight import PREFLIGHT_ERRORS, preflight
 

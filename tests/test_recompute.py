@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fp8train.convert import lower_linear_weights
+from fp8train.param_state import grad_slot
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
@@ -52,7 +53,7 @@ def two_passes(model: GPTModel) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if p.grad is not None:
             out[f"grad:{name}"] = p.grad
-        slot = getattr(p, "main_grad", None)
+        slot = grad_slot(p)
         if slot is not None:
             out[f"slot:{name}"] = slot.dequantize()
     for key, value in model.state_dict().items():  # FP8 amax histories, scales, steps, ...

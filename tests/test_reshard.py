@@ -23,9 +23,9 @@ import torch
 from conftest import REPO, tiny_overrides
 from multiproc import end_worker, rank_env, run_ranks
 
-from training.checkpoint_format import reassemble
+from checkpoint.format import reassemble
+from checkpoint.reshard import _join, _sub_shard, merge_per_shard, requantize
 from training.conversion import Layout, convert_native
-from training.reshard import _join, _sub_shard, merge_per_shard, requantize
 
 LEVELS = ("fp32", "O2")
 COMMON = {

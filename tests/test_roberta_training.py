@@ -125,8 +125,8 @@ def _checkpoint(run_dir: Path, iteration: int = STEPS) -> Path:
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from training.checkpoint_format import reassemble
-    from training.checkpointing import latest_checkpoint
+    from checkpoint.format import reassemble
+    from checkpoint.store import latest_checkpoint
 
     path = latest_checkpoint(run_dir / "checkpoints")
     assert path == _checkpoint(run_dir), path

@@ -109,8 +109,8 @@ def _logged_iterations(run_dir: Path) -> list[int]:
 
 def _assert_complete(checkpoints: Path, iteration: int) -> None:
     """``latest`` names ``iter_{iteration}`` and every file of it is there and readable."""
-    from training.checkpoint_format import reassemble
-    from training.checkpointing import latest_checkpoint, read_metadata
+    from checkpoint.format import reassemble
+    from checkpoint.store import latest_checkpoint, read_metadata
 
     path = latest_checkpoint(checkpoints)
     assert path is not None and path.name == f"iter_{iteration:07d}", path
@@ -210,7 +210,7 @@ time.sleep(300)
 
 
 def test_lock_refuses_a_live_holder_and_not_a_dead_one(tmp_path):
-    from training.checkpointing import CheckpointError
+    from checkpoint.store import CheckpointError
     from training.run_lock import acquire_run_lock, run_lock_problem
 
     assert run_lock_problem(tmp_path / "never_run") is None  # and nothing is created

@@ -88,7 +88,7 @@ def _checkpoint(run_dir: Path, iteration: int = STEPS) -> Path:
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from training.checkpoint_format import reassemble
+    from checkpoint.format import reassemble
 
     return reassemble(_checkpoint(run_dir), "model")
 

@@ -94,6 +94,7 @@ class SyntheticGPTFamily(GPTFamily):
 
     name = "gpt_synthetic"
     model_section = SyntheticSection
+    hf_model_types = ()  # imports nothing from Hugging Face: "gpt2" stays the GPT family's
 
     def preflight(self, cfg):
         return None

@@ -50,12 +50,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from checkpoint.async_writer import CheckpointSaver  # noqa: E402
 from data.sampler import micro_batches  # noqa: E402
 from parallel.topology import destroy_distributed  # noqa: E402
 from tools import bench_docs  # noqa: E402
-from training.async_checkpoint import CheckpointSaver  # noqa: E402
+from training.checkpointer import checkpoint_files  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.loop import checkpoint_files, train_step  # noqa: E402
+from training.loop import train_step  # noqa: E402
 from training.setup import build_run, num_microbatches  # noqa: E402
 
 __all__ = ["MODES", "measure", "summarise", "table", "write_section"]

@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 # megatron-core (the scheduler, imported with training/) warns that TE/apex are absent.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from training.checkpointing import CheckpointError  # noqa: E402
+from checkpoint.store import CheckpointError  # noqa: E402
 from training.config import ConfigError  # noqa: E402
 from training.conversion import Layout, convert_native, detect_kind, export_hf, import_hf  # noqa: E402
 
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layout(args, saved: dict | None) -> Layout:
     """The requested layout; sizes not given keep the input's (1 for a Hugging Face input)."""
-    from training.reshard import layout_of
+    from checkpoint.reshard import layout_of
 
     base = layout_of(saved) if saved else {}
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.input, args.output, layout, args.make_vocab_size_divisible_by, **extra
             )
         else:
-            from training.checkpointing import read_metadata, resolve_checkpoint
+            from checkpoint.store import read_metadata, resolve_checkpoint
 
             saved = read_metadata(resolve_checkpoint(args.input))
             layout = _layout(args, saved)

@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 # megatron-core warns at import that TE/apex are absent; we use neither on purpose.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-from training.checkpointing import CheckpointError  # noqa: E402
+from checkpoint.store import CheckpointError  # noqa: E402
 from training.conversion import export_hf  # noqa: E402
 
 

@@ -6,7 +6,7 @@
 
 ``--checkpoint``: a native checkpoint (``iter_XXXXXXX``, or a checkpoints directory with
 ``latest``; any parallel layout and precision level) or a Hugging Face directory, loaded as one
-single-process FP32 model (``models.load_pretrained``). The tokenizer is the run's own: the
+single-process FP32 model (``families.load_pretrained``). The tokenizer is the run's own: the
 cached stdlib SentencePiece model (``data.corpus: stdlib``; rebuilt, identically, if the cache
 is gone) or ``data.tokenizer_model``; a Hugging Face directory's ``tokenizer.json``, also as
 carried into a native checkpoint by an import (its ``tokenizer/`` folder);
@@ -147,9 +147,9 @@ def generate(
 
 def checkpoint_tokenizer(checkpoint: str | Path):
     """The tokenizer a checkpoint was trained with (see the module doc)."""
+    from checkpoint.store import read_metadata, resolve_checkpoint
     from data.prepare import prepare_default_data
     from data.tokenizer import SentencePieceTokenizer, load_tokenizer
-    from training.checkpointing import read_metadata, resolve_checkpoint
     from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
     from training.tokenizer_files import run_cache_dir
 
@@ -238,10 +238,11 @@ def _check_args(args) -> None:
 
 
 def _run(args) -> None:
+    from checkpoint.store import read_metadata, resolve_checkpoint
     from data.tokenizer import load_tokenizer
-    from models import load_pretrained
+    from families import load_pretrained
     from models.gpt import GPTModel
-    from training.checkpointing import checkpoint_config, read_metadata, resolve_checkpoint
+    from training.checkpointer import checkpoint_config
 
     if not (Path(args.checkpoint) / "config.json").is_file():
         # A native checkpoint: a damaged saved config is named (file and key) before a model
@@ -306,7 +307,7 @@ def _run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.checkpointing import CheckpointError
+    from checkpoint.store import CheckpointError
 
     try:
         args = _parser().parse_args(argv)

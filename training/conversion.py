@@ -2,7 +2,7 @@
 Hugging Face (tools/convert_checkpoint.py is the command line).
 
 Native -> native writes, for every model slice of the target layout, exactly the files a run
-of that layout saves, cut out of the source by ``training/reshard.py`` (the code a resumed
+of that layout saves, cut out of the source by ``checkpoint/reshard.py`` (the code a resumed
 run uses). What each slice holds is read off the slice itself, built on the meta device with
 a ``PlannedGroup`` standing in for its tensor-parallel group: no process is started and no
 weight is allocated. Each file is written one tensor at a time
@@ -25,28 +25,30 @@ from pathlib import Path
 
 import torch
 
-from data.paths import output_folder
-from families.base import ModelFamily, family_for_hf_directory, get_family
-from fp8train.convert import apply_level_storage
-from models.context import BuildContext
-from models.gpt import pad_vocab_size
-from parallel.pipeline.layout import PipelineLayout
-from parallel.tensor_parallel.mappings import PlannedGroup
-from training.checkpoint_format import (
+from checkpoint.format import (
     FORMAT_VERSION,
     slice_suffix,
     write_tensors,
     write_tensors_streaming,
 )
-from training.checkpointing import (
+from checkpoint.reshard import SourceCheckpoint, Target, optimizer_targets, reshard_iter
+from checkpoint.store import (
     CheckpointError,
-    checkpoint_config,
+    SaveTarget,
+    publish_written,
     read_metadata,
     resolve_checkpoint,
 )
+from data.paths import output_folder
+from families.base import ModelFamily, checkpoint_family, family_for_hf_directory
+from fp8train.convert import apply_level_storage
+from models.context import BuildContext
+from models.gpt import pad_vocab_size
+from parallel.pipeline.layout import PipelineLayout
+from parallel.tensor_parallel.mappings import PlannedGroup
+from training.checkpointer import checkpoint_config
 from training.config import config_from_dict, config_to_dict
 from training.optimizer import parameter_owners, trainable_parameters
-from training.reshard import SourceCheckpoint, Target, optimizer_targets, reshard_iter
 from training.setup import scaling_recipe
 from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
 from training.tokenizer_files import copy_tokenizer_files, export_tokenizer
@@ -178,15 +180,15 @@ def convert_native(
     a failure after that leaves ``output`` as it was (absent or empty)."""
     source = SourceCheckpoint(resolve_checkpoint(source_path))
     meta = source.metadata
-    family = get_family(meta["family"])
+    family = checkpoint_family(meta)
     checkpoint_config(meta)  # the saved config: a damaged one is named before the new layout's
     new_meta, cfg = _target_metadata(meta, family, layout)
     model_config = family.config_from_checkpoint(new_meta)
     weights_only = bool(meta.get("weights_only"))
     recipe = cfg.precision.recipe()
-    name = f"iter_{meta['iteration']:07d}"
     with output_folder(output, owned=True) as root:
-        tmp, final = root / f".tmp_{name}", root / name
+        target = SaveTarget.of(root, meta["iteration"])  # a run's naming and publication
+        tmp = target.tmp
         tmp.mkdir()
         for pp_rank in range(layout.pipeline):
             for tp_rank in range(layout.tensor):
@@ -210,9 +212,8 @@ def convert_native(
                         _write(path, scaling, reshard_iter(source, "model", scaling), progress)
         copy_tokenizer_files(source.path / TOKENIZER_FOLDER, tmp / TOKENIZER_FOLDER)
         (tmp / "metadata.json").write_text(json.dumps(new_meta, indent=2, sort_keys=True))
-        tmp.replace(final)
-        (root / "latest").write_text(name + "\n")
-    return final
+        publish_written(target)
+    return target.final
 
 
 def _write_optimizer(source, model, targets, directory: Path, suffix, layout, progress) -> None:
@@ -273,7 +274,7 @@ def export_hf(source_path: str | Path, output: str | Path, progress: Progress = 
     meta = read_metadata(checkpoint)
     SourceCheckpoint(checkpoint, kinds=("model",))  # what the export reads: refused here
     checkpoint_config(meta, ("model",))
-    family = get_family(meta["family"])
+    family = checkpoint_family(meta)
     with output_folder(output, owned=True) as root:
         out = family.export_hf(checkpoint, root)
         progress(export_tokenizer(checkpoint, meta, out, family.control_symbols))

@@ -3,6 +3,7 @@ checkpoint, resume. Megatron semantics: the logged loss is the mean over the log
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -14,38 +15,21 @@ from data.sampler import micro_batches
 from fp8train import device as devices
 from fp8train.machine_cache import remember
 from fp8train.optim_states import grad_of
+from fp8train.param_state import grad_slot
 from parallel.topology import gather_texts
-from training.async_checkpoint import CheckpointSaver
-from training.checkpoint_format import optimizer_layouts
-from training.checkpointing import (
-    check_format,
-    fp8_replica_file,
-    load_checkpoint,
-    model_file,
-    optimizer_file,
-    read_metadata,
-    restore_rng,
-)
+from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
 from training.metrics import MetricsWriter, format_console_line
 from training.optimizer import clip_grad_norm
-from training.reshard import (
-    SourceCheckpoint,
-    Target,
-    describe,
-    layout_of,
-    optimizer_targets,
-    reshard,
-)
-from training.resume_check import check_compatible, find_resume, read_resume_metadata
+from training.resume_check import find_resume, read_resume_metadata
 from training.run_lock import acquire_run_lock
 from training.setup import RunState, build_run, num_microbatches
 from training.signals import StopSignals
 
-__all__ = ["TrainingError", "checkpoint_files", "pretrain"]
+__all__ = ["TrainingError", "pretrain"]
 
 
 def _print(rank_logs: bool, *args) -> None:
@@ -168,7 +152,7 @@ def _first_nonfinite_gradient(state: RunState) -> str:
     rank that holds one first; "none found" when only the norm overflowed. Collective."""
     opt, found = state.optimizer, ""
     for name, p in opt.param_names.items():
-        main = getattr(p, "main_grad", None)  # the FP32 buffer view, or an FP8 slot
+        main = grad_slot(p)  # the FP32 buffer view, or an FP8 slot
         grad = main if isinstance(main, torch.Tensor) else grad_of(p)
         if grad is not None and not bool(torch.isfinite(grad).all()):
             found = name
@@ -211,135 +195,6 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
     totals = forward_only(state, batches)
     state.model.train()
     return _per_metric(state, _sum_over_replicas(totals, state), clamp=True)
-
-
-def _layout_now(state: RunState) -> dict:
-    topo, cfg = state.groups.topology, state.cfg
-    return {
-        "tensor": topo.tensor,
-        "pipeline": topo.pipeline,
-        "virtual_pipeline": cfg.parallel.virtual_pipeline or 1,
-        "data": topo.data,
-        "distributed": state.optimizer.distributed,
-    }
-
-
-def _restore(state: RunState, path, weights_only: bool = False) -> tuple[int, int]:
-    topo = state.groups.topology
-    metadata = read_metadata(path)
-    check_format(path, metadata)
-    check_compatible(state.family, state.cfg, state.model_config, metadata, path, weights_only)
-    if weights_only:
-        _load_weights(state, path)
-        return 0, 0
-    saved, now = layout_of(metadata), _layout_now(state)
-    if saved != now:
-        _restore_resharded(state, path)
-        logs = topo.rank == topo.world_size - 1
-        _print(logs, f"resharded {path} from {describe(saved)} to {describe(now)}")
-    else:
-        replica = _replica_state_file(state)
-        names = (model_file(topo), optimizer_file(topo, state.optimizer.distributed))
-        ckpt = load_checkpoint(path, topo.rank, names + ((replica,) if replica else ()))
-        model_state = ckpt.files[names[0]]
-        if replica:  # this replica's own FP8 scaling state over the replicated one
-            model_state = {**model_state, **ckpt.files[replica]}
-        state.model.load_canonical_state_dict(model_state)
-        state.optimizer.load_state_tensors(ckpt.files[names[1]])
-        if ckpt.rng:
-            restore_rng(ckpt.rng, state.device)
-    state.scheduler.load_state_dict(metadata["scheduler"])
-    state.scaler.load_state_dict(metadata["loss_scaler"])
-    state.resumed_counters = metadata.get("counters", {})
-    return metadata["iteration"], metadata["consumed_samples"]
-
-
-def _load_weights(state: RunState, path) -> None:
-    """The checkpoint's parameters only, in this run's layout and storage (scaled FP16/FP8
-    weights re-quantised from their FP32 values when the level differs); FP8 scaling state,
-    optimizer, scheduler and loss scaler stay fresh."""
-    source = SourceCheckpoint(path)
-    model = state.model
-    layouts = model.tensor_layouts()
-    params = set(model.canonical_parameter_names().values())
-    local = model.canonical_state_dict()
-    targets = {name: Target(layouts[name], tuple(local[name].shape), local[name].dtype)
-               for name in params}  # fmt: skip
-    model.load_canonical_state_dict(reshard(source, "model", targets), partial=True)
-    # Masters and O3's FP16 masters start from the loaded weights.
-    state.optimizer.reset_masters()
-
-
-def _restore_resharded(state: RunState, path) -> None:
-    """Another layout wrote ``path``: cut this rank's tensors out of it. The RNG streams
-    (dropout) restart from the seed: they belong to the ranks that wrote them. Every
-    replica takes the model file's FP8 scaling state (data-parallel rank 0's)."""
-    source = SourceCheckpoint(path)
-    model = state.model
-    layouts = model.tensor_layouts()
-    targets = {
-        name: Target(layouts[name], tuple(v.shape), v.dtype)
-        for name, v in model.canonical_state_dict().items()
-    }
-    model.load_canonical_state_dict(reshard(source, "model", targets))
-    opt = state.optimizer
-    wanted = optimizer_targets(source, opt.stepped_names(), targets)
-    opt.load_state_tensors(reshard(source, "optimizer", wanted))
-
-
-def checkpoint_files(state: RunState, consumed: int, counters: dict) -> tuple[dict, dict]:
-    """``(files, metadata)`` of a checkpoint now: the files THIS rank writes (file name ->
-    (tensors, layouts); the live tensors, not copies) and the metadata."""
-    topo, model, opt = state.groups.topology, state.model, state.optimizer
-    meta = {
-        "config": config_to_dict(state.cfg),
-        "family": state.family.name,
-        "model_structure": state.family.checkpoint_structure(state.model_config, state.data),
-        "consumed_samples": consumed,
-        "scheduler": state.scheduler.state_dict(),
-        "loss_scaler": state.scaler.state_dict(),
-        "fp8_gemm_backend": state.gemm_backend,
-        "world_size": topo.world_size,
-        "counters": counters,
-    }
-    # Canonical names and layouts (training/checkpoint_format.py); one writer per file.
-    model_state, layouts = model.canonical_state_dict(), model.tensor_layouts()
-    files = {}
-    if topo.dp_rank == 0:
-        files[model_file(topo)] = (model_state, layouts)
-    if opt.distributed or topo.dp_rank == 0:
-        tensors = opt.state_tensors()
-        shapes = {name: tuple(p.shape) for name, p in opt.param_names.items()}
-        files[optimizer_file(topo, opt.distributed)] = (
-            tensors,
-            optimizer_layouts(tensors, layouts, shapes),
-        )
-    replica = _replica_state_file(state)
-    if replica:
-        scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
-        files[replica] = (scaling, layouts)
-    return files, meta
-
-
-def _saver(state: RunState, logs: bool) -> CheckpointSaver:
-    ckpt = state.cfg.checkpoint
-    return CheckpointSaver(
-        state.cfg.resolved_checkpoint_dir(),
-        device=state.device,
-        rank=state.groups.topology.rank,
-        keep_last=ckpt.keep_last,
-        asynchronous=ckpt.async_save,
-        log=lambda text: _print(logs, text),
-    )
-
-
-def _replica_state_file(state: RunState) -> str | None:
-    """Per data-parallel rank: its FP8 scaling state (amax histories, scales). Replicas see
-    different data, so their delayed-scaling histories differ; the model file holds rank 0's."""
-    topo = state.groups.topology
-    if topo.data == 1 or not state.recipe.fp8_gemm:
-        return None
-    return fp8_replica_file(topo)
 
 
 def _peak(state: RunState) -> tuple[float, str]:
@@ -396,15 +251,16 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     t, log = cfg.training, cfg.logging
     # The loss lives on the last pipeline stage; of its data-parallel ranks the last one logs.
     logs = topo.rank == topo.world_size - 1
+    announce = functools.partial(_print, logs)  # a line from the logging rank only
     n_micro = num_microbatches(cfg, topo.data)
 
     iteration, consumed = 0, 0
     counters = {"skipped": 0, "nan": 0}
     if resume_from is not None and weights_only:
-        _restore(state, resume_from, weights_only=True)
+        restore(state, resume_from, weights_only=True, log=announce)
         _print(logs, f"loaded the weights of {resume_from}: fine-tuning from iteration 0")
     elif resume_from is not None:
-        iteration, consumed = _restore(state, resume_from)
+        iteration, consumed = restore(state, resume_from, log=announce)
         counters.update(state.resumed_counters)
         _print(logs, f"resumed from {resume_from} at iteration {iteration}")
     writer = MetricsWriter(
@@ -447,7 +303,7 @@ def pretrain(cfg: Config, family: str | None = None) -> dict:
     printed_bytes = False
     consecutive = 0  # skipped steps in a row
     stopped_by = None
-    saver = _saver(state, logs)
+    saver = make_saver(state, announce)
     signals = StopSignals(cfg.checkpoint.save_on_signal).__enter__()
     try:
         while iteration < t.train_iters:

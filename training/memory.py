@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.linear import Linear
+from fp8train.param_state import grad_slot
 
 __all__ = ["ROLES", "model_state_bytes"]
 
@@ -27,7 +28,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, dict[str, 
     linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
     sums = {c: dict.fromkeys((*ROLES, "n"), 0) for c in ("linear", "other", "all")}
     for index, p in enumerate(optimizer.model_params):
-        grad = getattr(p, "main_grad", None)
+        grad = grad_slot(p)
         if grad is None:
             grad = p.grad
         master, states = optimizer.param_state_bytes(index)

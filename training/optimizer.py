@@ -17,15 +17,12 @@ from data.indexed import import_megatron
 from fp8train.linear import Linear
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
+from fp8train.param_state import fp8_grad_slot, grad_slot
 from fp8train.precision import PrecisionRecipe
 from models.base import ParallelModel
 from parallel.distributed_optimizer import ParamGather, assign_owners
 from parallel.grad_buffer import GradBuffers, default_bucket_size
-from parallel.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from parallel.tensor_parallel.layers import is_parallel_layer
 
 if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -139,7 +136,7 @@ class TrainOptimizer:
         self._state_index = {
             i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
         }
-        # Checkpoints key optimizer state by parameter name (training/checkpoint_format.py).
+        # Checkpoints key optimizer state by parameter name (checkpoint/format.py).
         self._names = {id(opt_p): names[id(p)] for p, opt_p in zip(self.step_params, opt_params)}
         self.param_names = {names[id(p)]: p for p in self.model_params}
 
@@ -147,17 +144,18 @@ class TrainOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
-    def _is_slot(self, p) -> bool:
-        return isinstance(getattr(p, "main_grad", None), Fp8GradSlot)
+    @staticmethod
+    def _is_slot(p) -> bool:
+        return fp8_grad_slot(p) is not None
 
     def grads(self) -> list[torch.Tensor]:
         """FP32 gradients the step will use (the owned ones under the distributed optimizer)."""
-        return [p.main_grad for p in self.step_params if not self._is_slot(p)]
+        return [grad_slot(p) for p in self.step_params if not self._is_slot(p)]
 
     def grad_slots(self) -> list[Fp8GradSlot]:
         """FP8 weight gradients (O1-O3) that hold data this step (owned ones when sharded)."""
-        slots = (p.main_grad for p in self.step_params if self._is_slot(p))
-        return [s for s in slots if s.has_data]
+        slots = (fp8_grad_slot(p) for p in self.step_params)
+        return [s for s in slots if s is not None and s.has_data]
 
     def sharded_flags(self) -> tuple[list[bool], list[bool]]:
         """Which of ``grads()`` and of ``grad_slots()`` are tensor-parallel shards."""
@@ -174,13 +172,13 @@ class TrainOptimizer:
                 continue
             if not self._is_slot(p):
                 grad_flags.append(flag)
-            elif p.main_grad.has_data:
+            elif fp8_grad_slot(p).has_data:
                 slot_flags.append(flag)
         return grad_flags, slot_flags
 
     def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The FP32 gradient (``main_grad`` view) of a high-precision ``param``."""
-        return param.main_grad
+        """The FP32 gradient (its ``main_grad`` buffer view) of a high-precision ``param``."""
+        return grad_slot(param)
 
     def grad_elements(self) -> tuple[int, int]:
         """(FP8 gradient elements, all gradient elements) of this replica, owned or not."""
@@ -221,7 +219,7 @@ class TrainOptimizer:
         # one, else on the parameter; FP8 gradient slots are read by LowBitAdamW itself.
         hp = [p for p in self.step_params if not self._is_slot(p)]
         for p in hp:
-            self.masters.get(id(p), p).grad = p.main_grad
+            self.masters.get(id(p), p).grad = grad_slot(p)
         self.optimizer.step()
         with torch.no_grad():
             for p in hp:
@@ -302,7 +300,7 @@ def _model_facts(model: torch.nn.Module) -> tuple[set[int], set[int], dict[int, 
         names = model.canonical_parameter_names()
         return model.tensor_parallel_sharded(), model.pipeline_duplicates(), names
     for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        if is_parallel_layer(module):
             raise TypeError(
                 f"{type(model).__name__}.{name} is a tensor-parallel layer: build the model as "
                 "a models.base.ParallelModel so its shards are known"

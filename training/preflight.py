@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 
+from checkpoint.store import CheckpointError
 from data.paths import check_directory
 from families import get_family
 from parallel.topology import TopologyError
-from training.checkpointing import CheckpointError
 from training.config import Config, ConfigError, load_config
 from training.layout import check_layout
 from training.resume_check import check_compatible, find_resume, read_resume_metadata
@@ -59,7 +59,7 @@ def _check_checkpoint(cfg: Config, family, model_config) -> None:
     path, weights_only = find_resume(cfg)
     if path is None:
         return
-    from training.reshard import SourceCheckpoint  # reads file headers only
+    from checkpoint.reshard import SourceCheckpoint  # reads file headers only
 
     saved = read_resume_metadata(path, cfg.family)
     try:

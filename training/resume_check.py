@@ -5,7 +5,7 @@ A run resumes from its own ``checkpoint.dir`` first (a restarted fine-tune conti
 else from ``checkpoint.load``. The checkpoint must hold this family's model (compared as built
 configs, so keys left at their defaults match explicit ones) and, unless only its weights are
 taken (``checkpoint.finetune``), this run's precision level. The parallel layout may differ:
-loading reshards (training/reshard.py).
+loading reshards (checkpoint/reshard.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fp8train.precision import get_recipe
-from training.checkpointing import (
+from checkpoint.store import (
     CheckpointError,
     check_format,
     latest_checkpoint,
     read_metadata,
     resolve_checkpoint,
 )
+from fp8train.precision import get_recipe
 from training.config import Config, ConfigError, config_to_dict
 
 __all__ = ["find_resume", "read_resume_metadata", "check_compatible", "FREE_MODEL_FIELDS"]

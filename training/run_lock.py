@@ -114,8 +114,8 @@ def run_lock_problem(directory: str | os.PathLike) -> str | None:
 def acquire_run_lock(directory: str | os.PathLike, rank: int, device: torch.device) -> RunLock:
     """Collective: rank 0 takes the lock and every rank learns whether it got it; a refusal
     raises ``CheckpointError`` on every rank with rank 0's reason."""
+    from checkpoint.store import CheckpointError
     from parallel.topology import gather_texts
-    from training.checkpointing import CheckpointError
 
     fd, reason = _try_lock(Path(directory)) if rank == 0 else (None, "")
     reason = gather_texts(reason, device)[0]  # rank 0's

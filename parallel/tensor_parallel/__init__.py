@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_logits
 from .layers import (
+    PARALLEL_LAYER_TYPES,
     ColumnParallelLinear,
+    ParallelLayer,
     RowParallelLinear,
+    ShardLayout,
     VocabParallelBias,
     VocabParallelEmbedding,
     gather_full,
+    is_parallel_layer,
     shard_from_full,
 )
 from .mappings import (
@@ -30,15 +34,19 @@ from .mappings import (
 )
 
 __all__ = [
+    "PARALLEL_LAYER_TYPES",
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
+    "ParallelLayer",
     "RowParallelLinear",
+    "ShardLayout",
     "VocabParallelEmbedding",
     "VocabParallelBias",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence_region",
     "gather_full",
+    "is_parallel_layer",
     "reduce_from_region",
     "reduce_scatter_to_sequence_region",
     "scatter_to_region",

@@ -25,12 +25,20 @@ The inner Linear's own init runs under a forked RNG, so it draws nothing from th
 On the meta device nothing is initialised: ``to_empty`` then ``reset_parameters()``.
 
 Activations are ``[batch, seq, hidden]``; sequence parallelism shards dim 1.
+
+Checkpoint layout. Every layer here derives from ``ParallelLayer`` (``is_parallel_layer``) and
+says itself how each tensor it stores relates to the single-process one (``shard_layouts``):
+split along a dimension (and in how many blocks), replicated, or per-shard state that each rank
+keeps for itself (a shard's FP8 scaling state and weight scale: neither split nor replicated).
+Under the single-process names: a parallel linear's inner ``linear`` drops out of them
+(``shard_child``), so ``qkv.linear.weight`` is stored as ``qkv.weight``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +64,14 @@ from .mappings import (
 )
 
 __all__ = [
+    "PARALLEL_LAYER_TYPES",
     "ColumnParallelLinear",
+    "ParallelLayer",
     "RowParallelLinear",
+    "ShardLayout",
     "VocabParallelEmbedding",
     "VocabParallelBias",
+    "is_parallel_layer",
     "shard_from_full",
     "gather_full",
 ]
@@ -107,11 +119,60 @@ def _default_device(device) -> torch.device:
     return torch.device(device) if device is not None else torch.get_default_device()
 
 
-class _ParallelLinear(nn.Module):
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one stored tensor of a parallel layer relates to the single-process tensor.
+
+    ``partition_dim``: dimension of the full tensor split across the group (None: this rank
+    stores the whole tensor); ``blocks``: that dimension is so many concatenated blocks, each
+    split on its own (``shard_from_full``); ``per_shard``: state of this shard alone (e.g. its
+    FP8 scaling state), which no single-process tensor is made of.
+    """
+
+    partition_dim: int | None = None
+    blocks: int = 1
+    per_shard: bool = False
+
+    def __post_init__(self):
+        # Checkpoint metadata is written from these fields as they are: refuse nonsense.
+        if self.partition_dim is None and self.blocks != 1:
+            raise ValueError("ShardLayout: blocks of a tensor that is not split")
+        if self.partition_dim is not None and self.per_shard:
+            raise ValueError("ShardLayout: a split tensor is not per-shard state")
+
+
+_REPLICATED = ShardLayout()
+_PER_SHARD = ShardLayout(per_shard=True)
+
+
+class ParallelLayer(nn.Module):
+    """Base of the tensor-parallel layers: the one registry of them (``is_parallel_layer``)."""
+
+    # Child module whose tensors the single-process layer holds itself (a parallel linear's
+    # inner shard ``linear``): its name is dropped from the single-process tensor names.
+    shard_child: str | None = None
+
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """Every tensor of ``state_dict()``, under its single-process name relative to this
+        layer (``weight``, ``fp8_input.scale``, ...) -> its ``ShardLayout``."""
+        raise NotImplementedError
+
+    def partitions(self) -> dict[str, tuple[int, int]]:
+        """Single-process name -> (split dimension, blocks) of the tensors split across the
+        group (``shard_layouts`` restricted to them)."""
+        return {
+            name: (layout.partition_dim, layout.blocks)
+            for name, layout in self.shard_layouts().items()
+            if layout.partition_dim is not None
+        }
+
+
+class _ParallelLinear(ParallelLayer):
     """Shared body: the inner shard Linear, the bias, full-weight init and loading."""
 
     partition_dim: int  # dimension of the full weight that is split: 0 column, 1 row
     bias_sharded: bool
+    shard_child = "linear"
 
     def __init__(
         self,
@@ -161,13 +222,15 @@ class _ParallelLinear(nn.Module):
         """This rank's weight shard (the inner Linear's parameter)."""
         return self.linear.weight
 
-    def partitions(self) -> dict[str, tuple[int, int]]:
-        """Parameter name (as the unsharded Linear names it) -> (split dimension, blocks) of
-        the full tensor, for the parameters that are split across the group."""
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """The weight is split; the bias split (column) or replicated (row); everything
+        else the inner shard Linear stores (its FP8 scaling state, a lowered weight's
+        ``weight_scale_inv``) is this shard's own: a shard's amax and scale are its own."""
+        out = dict.fromkeys(self.linear.state_dict(keep_vars=True), _PER_SHARD)
         blocks = self.blocks if self.partition_dim == 0 else 1
-        out = {"weight": (self.partition_dim, blocks)}
-        if self.bias is not None and self.bias_sharded:
-            out["bias"] = (0, self.blocks)
+        out["weight"] = ShardLayout(self.partition_dim, blocks)
+        if self.bias is not None:
+            out["bias"] = ShardLayout(0, self.blocks) if self.bias_sharded else _REPLICATED
         return out
 
     def reset_parameters(self) -> None:
@@ -351,7 +414,7 @@ class RowParallelLinear(_ParallelLinear):
         return self._output(y, bias)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ParallelLayer):
     """``nn.Embedding`` with the vocabulary split: rank r owns rows ``[r*V/W, (r+1)*V/W)``.
 
     Each rank looks up the tokens it owns (others give zero rows) and the partial embeddings
@@ -385,9 +448,9 @@ class VocabParallelEmbedding(nn.Module):
         if str(device) != "meta" and not skip_init:
             self.reset_parameters()
 
-    def partitions(self) -> dict[str, tuple[int, int]]:
-        """As ``_ParallelLinear.partitions``: the table is split along the vocabulary."""
-        return {"weight": (0, 1)}
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """The table is split along the vocabulary."""
+        return {"weight": ShardLayout(0)}
 
     def reset_parameters(self) -> None:
         full = torch.empty(self.num_embeddings, self.embedding_dim)
@@ -422,10 +485,10 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
-class VocabParallelBias(nn.Module):
+class VocabParallelBias(ParallelLayer):
     """A bias over vocabulary-parallel logits ``[.., V/W]``: this rank's slice
     ``[r*V/W, (r+1)*V/W)`` of a ``[V]`` bias (an MLM head's output bias); the whole bias
-    without a group. Zero-initialised; ``partitions`` says how it is split."""
+    without a group. Zero-initialised; ``shard_layouts`` says how it is split."""
 
     def __init__(
         self, num_embeddings: int, *, group=None, device=None, dtype=None, skip_init=False
@@ -440,8 +503,22 @@ class VocabParallelBias(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.bias)
 
-    def partitions(self) -> dict[str, tuple[int, int]]:
-        return {"bias": (0, 1)}
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        return {"bias": ShardLayout(0)}
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return logits + self.bias
+
+
+# Every tensor-parallel layer type, for code that lists them; ``is_parallel_layer`` is the test.
+PARALLEL_LAYER_TYPES: tuple[type[ParallelLayer], ...] = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelBias,
+)
+
+
+def is_parallel_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a tensor-parallel layer (its tensors may be shards)."""
+    return isinstance(module, ParallelLayer)

@@ -1,6 +1,6 @@
 """Checkpoints: safetensors tensors + JSON metadata, written to a temporary directory and renamed.
 
-The tensors are in the canonical format of ``training/checkpoint_format.py`` (single-process
+The tensors are in the canonical format of ``checkpoint/format.py`` (single-process
 names whatever the layout, per-tensor layouts in each file's header, optimizer state keyed by
 parameter name). Layout of ``checkpoint.dir``::
 
@@ -26,7 +26,6 @@ the previous checkpoint current and a ``.tmp_*`` directory that the next save re
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from training.checkpoint_format import (
+from checkpoint.format import (
     FORMAT_VERSION,
     CheckpointError,
     JsonObject,
@@ -61,10 +60,10 @@ __all__ = [
     "snapshot_tensors",
     "write_rank_files",
     "publish_save",
+    "publish_written",
     "load_checkpoint",
     "latest_checkpoint",
     "read_metadata",
-    "checkpoint_config",
     "resolve_checkpoint",
     "check_format",
 ]
@@ -152,7 +151,7 @@ def save_checkpoint(
     and ``latest`` names a complete checkpoint at every moment, a re-save of the iteration it
     names included (``_publish``); a kill at any point leaves the previous or the new one.
     The three phases (``begin_save``, ``write_rank_files``, ``publish_save``) are also what
-    ``training/async_checkpoint.py`` runs, with the writing on a background thread.
+    ``checkpoint/async_writer.py`` runs, with the writing on a background thread.
     """
     target = begin_save(directory, iteration, rank)
     write_rank_files(rank_files(target, files, metadata, device, rank, copy=False))
@@ -173,6 +172,13 @@ class SaveTarget:
     def iteration(self) -> int:
         return int(self.final.name.removeprefix("iter_"))
 
+    @classmethod
+    def of(cls, directory: str | os.PathLike, iteration: int) -> SaveTarget:
+        """The naming: ``iter_{iteration:07d}``, written as ``.tmp_iter_...`` beside it."""
+        root = Path(directory)
+        name = f"iter_{iteration:07d}"
+        return cls(root, root / f".tmp_{name}", root / name)
+
 
 @dataclass
 class RankFiles:
@@ -190,9 +196,8 @@ def begin_save(directory: str | os.PathLike, iteration: int, rank: int) -> SaveT
     """Collective, first phase of a save: rank 0 finishes or clears what killed saves left
     (``_recover``) and makes a fresh temporary directory, which every rank then writes into.
     No save may be in flight: ``_recover`` removes every ``.tmp_*`` directory."""
-    root = Path(directory)
-    name = f"iter_{iteration:07d}"
-    target = SaveTarget(root, root / f".tmp_{name}", root / name)
+    target = SaveTarget.of(directory, iteration)
+    root = target.root
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _recover(root)
@@ -273,6 +278,18 @@ def publish_save(target: SaveTarget, rank: int, keep_last: int) -> None:
         _publish(target.root, target.tmp, target.final)
         _prune(target.root, keep_last)
     _barrier()
+
+
+def publish_written(target: SaveTarget) -> None:
+    """One process's publication of a checkpoint written whole into ``target.tmp`` (a tool's
+    output, e.g. a converted checkpoint): every file flushed to disk, then the rename and the
+    ``latest`` move of a run's save (``publish_save``), so a crash leaves no pointer to a
+    partial checkpoint."""
+    for path in sorted(target.tmp.rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(target.tmp)
+    _publish(target.root, target.tmp, target.final)
 
 
 def _fsync(path: Path) -> None:
@@ -383,8 +400,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 # The kinds of metadata.json's values that readers use (``JsonObject.check``), checked where
 # present: a key that is absent is named where it is needed. ``config``: what the tools read
-# before (or without) checking the saved config (``checkpoint_config``): the layout and the
-# tokenizer; ``model_structure``: what any family writes there (``checkpoint_structure``).
+# before (or without) checking the saved config (``training.checkpointer.checkpoint_config``):
+# the layout and the tokenizer; ``model_structure``: what any family writes there
+# (``checkpoint_structure``).
 _METADATA_KINDS = {
     "family": str,
     "iteration": int,
@@ -413,41 +431,13 @@ _METADATA_KINDS = {
 
 def read_metadata(path: str | os.PathLike) -> JsonObject:
     """The checkpoint's metadata.json. A missing or corrupt file raises naming it, as does a
-    value of the wrong kind (``_METADATA_KINDS``) or a ``family`` no registered model family
-    has, naming the key too; a key a reader needs and the file lacks raises where it is
-    read (``JsonObject``)."""
+    value of the wrong kind (``_METADATA_KINDS``), naming the key too; a key a reader needs
+    and the file lacks raises where it is read (``JsonObject``). Whether a model family of
+    that ``family`` exists is for the code that looks it up (``families.checkpoint_family``):
+    this package knows no model."""
     metadata = read_json(Path(path) / "metadata.json")
     metadata.check(_METADATA_KINDS)
-    if "family" in metadata:
-        from families.base import get_family
-
-        try:
-            get_family(metadata["family"])
-        except ValueError as err:
-            raise CheckpointError(f"{metadata.file}: {err}") from None
     return metadata
-
-
-def checkpoint_config(metadata: JsonObject, sections: tuple[str, ...] | None = None):
-    """The run config (``training.config.Config``) a checkpoint was saved with: its
-    metadata's ``config`` of its ``family``, complete in its ``model`` section (a model key
-    left to its default would build another model than the tensors') and checked as a run's
-    config is; ``sections``: only those (the others at their defaults), e.g. ``("model",)``
-    for a reader that only builds the model. A problem is one ``CheckpointError`` naming
-    metadata.json and the key."""
-    from families.base import get_family
-    from training.config import ConfigError, config_from_dict
-
-    family = get_family(metadata["family"])
-    saved = metadata["config"]
-    for field in dataclasses.fields(family.model_section):
-        saved["model"].need(field.name, object, why="the model is built from it")
-    try:
-        return config_from_dict(
-            saved if sections is None else {name: saved[name] for name in sections}, family.name
-        )
-    except ConfigError as err:
-        raise CheckpointError(f"{metadata.file}: {err}") from None
 
 
 def check_format(path: str | os.PathLike, metadata: dict) -> None:

@@ -1,6 +1,6 @@
 """Checkpoint saving for the training loop, synchronous or in the background (``async_save``).
 
-A synchronous save (``training/checkpointing.py``'s ``save_checkpoint``) stops every rank
+A synchronous save (``checkpoint/store.py``'s ``save_checkpoint``) stops every rank
 until its files are written, flushed and published. With ``checkpoint.async_save=true`` the
 step loop waits only for a copy of the state in host memory; a background thread per rank
 writes and flushes the files while training goes on, and the checkpoint is published later.
@@ -57,8 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.topology import gather_texts
-from training.checkpointing import (
+from checkpoint.store import (
     CheckpointError,
     RankFiles,
     SaveTarget,
@@ -68,6 +67,7 @@ from training.checkpointing import (
     save_checkpoint,
     write_rank_files,
 )
+from parallel.topology import gather_texts
 
 __all__ = ["CheckpointSaver"]
 

@@ -1,11 +1,11 @@
 """Resharding: one rank's tensors for any layout, read from a checkpoint of any other layout.
 
 A checkpoint stores every tensor under its single-process name with a layout entry saying how
-the stored piece relates to the full tensor (training/checkpoint_format.py). A target rank
+the stored piece relates to the full tensor (checkpoint/format.py). A target rank
 describes what it needs the same way (``Target``: its layout, local shape and dtype), and
 ``reshard`` cuts each needed piece out of the stored ones, reading only the tensors and the
 tensor-parallel shards it needs (memory: a few tensors, never the whole model). Resuming with
-another layout (training/loop.py) and tools/convert_checkpoint.py run this same code.
+another layout (training/checkpointer.py) and tools/convert_checkpoint.py run this same code.
 
 Rules, per tensor:
 
@@ -38,9 +38,7 @@ from pathlib import Path
 
 import torch
 
-from fp8train.formats import E4M3
-from fp8train.optim_states import quantize_into_
-from training.checkpoint_format import (
+from checkpoint.format import (
     DTYPES_BY_NAME,
     DTYPES_BY_SAFETENSORS_NAME,
     LAYOUT_KEY,
@@ -49,7 +47,9 @@ from training.checkpoint_format import (
     open_safetensors,
     read_layouts,
 )
-from training.checkpointing import check_format, read_metadata
+from checkpoint.store import check_format, read_metadata
+from fp8train.formats import E4M3
+from fp8train.optim_states import quantize_into_
 
 __all__ = [
     "Target",

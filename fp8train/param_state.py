@@ -1,0 +1,83 @@
+"""The state the precision machinery keeps on a parameter, behind typed accessors.
+
+Two slots ride on a parameter object, so whoever holds the parameter (an optimizer, a
+gradient buffer, a clipping pass) finds them without a side table:
+
+- the gradient slot (attribute ``main_grad``): where a step reads the weight's gradient instead
+  of ``.grad``. Either an FP32 tensor of the parameter's shape (a view into the flat gradient
+  buffer of ``parallel/grad_buffer.py``: BF16 gradients accumulate there in FP32), or an
+  ``Fp8GradSlot`` (O1-O3 FP8 weight gradients, given by ``Linear.lower_weight_precision``).
+  None when there is neither: the gradient is ``.grad``.
+- the per-tensor scale (attribute ``scale_inv``): the FP32 dequantisation scale of a weight
+  stored as tensor-scaled FP16 (O1/O2) or FP8 (O3), whose value is ``p.float() * scale_inv``.
+  ``fp8train.Linear`` points it at its ``weight_scale_inv`` buffer, so updating one in place
+  updates the other. None for a weight stored at its own precision.
+
+The attribute names are Megatron's (``main_grad``) and MS-AMP's (``scale_inv``), so outside
+code that reads them keeps working; inside this project only these functions touch them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .low_precision import Fp8GradSlot
+
+__all__ = [
+    "GradSlot",
+    "fp8_grad_slot",
+    "grad_slot",
+    "scale_inv_of",
+    "set_grad_slot",
+    "set_scale_inv",
+]
+
+GradSlot = torch.Tensor | Fp8GradSlot
+
+_GRAD_SLOT = "main_grad"
+_SCALE_INV = "scale_inv"
+
+
+def grad_slot(p: torch.Tensor) -> GradSlot | None:
+    """``p``'s gradient slot: its FP32 buffer view, its ``Fp8GradSlot``, or None (use ``.grad``)."""
+    return getattr(p, _GRAD_SLOT, None)
+
+
+def fp8_grad_slot(p: torch.Tensor) -> Fp8GradSlot | None:
+    """``p``'s gradient slot when it is an ``Fp8GradSlot`` (an FP8 weight gradient), else None."""
+    slot = getattr(p, _GRAD_SLOT, None)
+    return slot if isinstance(slot, Fp8GradSlot) else None
+
+
+def set_grad_slot(p: torch.Tensor, slot: GradSlot | None) -> None:
+    """Give ``p`` a gradient slot of its own shape (None removes it)."""
+    if slot is None:
+        if hasattr(p, _GRAD_SLOT):
+            delattr(p, _GRAD_SLOT)
+        return
+    if not isinstance(slot, (torch.Tensor, Fp8GradSlot)):
+        raise TypeError(f"a gradient slot is a tensor or an Fp8GradSlot, not {type(slot)}")
+    # A slot of another shape would be read as this parameter's gradient all the same.
+    if tuple(slot.data.shape) != tuple(p.shape):
+        raise ValueError(
+            f"gradient slot of shape {tuple(slot.data.shape)} for a parameter of shape "
+            f"{tuple(p.shape)}"
+        )
+    setattr(p, _GRAD_SLOT, slot)
+
+
+def scale_inv_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The per-tensor FP32 scale of a tensor-scaled FP16/FP8 parameter; None for others."""
+    return getattr(p, _SCALE_INV, None)
+
+
+def set_scale_inv(p: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
+    """Attach the per-tensor scale (one element, kept by reference: in-place updates of either
+    are seen by both); None removes it."""
+    if scale_inv is None:
+        if hasattr(p, _SCALE_INV):
+            delattr(p, _SCALE_INV)
+        return
+    if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1:
+        raise TypeError("scale_inv: a one-element tensor (the per-tensor scale)")
+    setattr(p, _SCALE_INV, scale_inv)
