@@ -38,6 +38,8 @@ __all__ = [
     "section_values",
     "ModelFamily",
     "RESERVED_METRICS",
+    "LOOP_METRICS",
+    "LOOP_METRIC_PREFIXES",
     "register_family",
     "BUILTIN_FAMILIES",
     "get_family",
@@ -205,17 +207,19 @@ class ModelFamily(ABC):
         layout: fused tensors (QKV groups, SwiGLU halves), the true and padded vocabulary."""
 
 
-# Keys the loop writes into every metrics record: a family's metric may not shadow one.
-RESERVED_METRICS = frozenset(
-    {
-        "iteration", "consumed-samples", "learning-rate", "grad-norm", "loss-scale",
-        "batch-size", "iteration-time", "samples-per-second", "throughput", "mfu",
-        "bytes-per-param",
-        "bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-grad-element",
-        "wire-bytes-per-grad-element-all", "wire-bytes-per-element", "skipped-iterations",
-        "nan-iterations",
-    }
+# The keys the training loop writes into every metrics record, in its order (training/loop.py
+# builds each record from this tuple, the family's metrics after the first two); a family's
+# metric may not shadow one, nor start with a prefix of the loop's own key families: device
+# memory (mem-*-bytes), per-stage memory (mem-stage*/...), FP8 health (fp8/<layer>/...).
+LOOP_METRICS = (
+    "iteration", "consumed-samples", "learning-rate", "grad-norm", "loss-scale", "batch-size",
+    "iteration-time", "samples-per-second", "throughput", "mfu", "bytes-per-param",
+    "bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-grad-element",
+    "wire-bytes-per-grad-element-all", "wire-bytes-per-element", "skipped-iterations",
+    "nan-iterations", "eta-seconds",
 )  # fmt: skip
+LOOP_METRIC_PREFIXES = ("mem-", "fp8/")
+RESERVED_METRICS = frozenset(LOOP_METRICS)
 
 
 def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
@@ -239,7 +243,9 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     if not names:
         raise ValueError(f"family {family.name!r}: metric_names is empty")
     clash = sorted(set(names) & RESERVED_METRICS) or sorted(
-        n for n in names if n.endswith((" validation", " validation ppl"))
+        n
+        for n in names
+        if n.endswith((" validation", " validation ppl")) or n.startswith(LOOP_METRIC_PREFIXES)
     )
     if clash:
         raise ValueError(f"family {family.name!r}: metric name {clash[0]!r} is reserved")

@@ -179,8 +179,8 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
     """3 steps of ``state``'s run; fills ``tensors`` with the gradients (see ``_worker``) and
     returns the run's record."""
     from data.sampler import micro_batches
-    from training.loop import train_step
     from training.setup import num_microbatches
+    from training.step import train_step
 
     cfg, topo, opt = state.cfg, state.groups.topology, state.optimizer
     n_micro = num_microbatches(cfg, topo.data)
@@ -213,9 +213,9 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
         if "clip" in probes:
             opt.step = clipped_step
         stats = train_step(state, data, n_micro, grad_hook=hook)
-        rec["losses"].append(stats["loss"])
-        rec["norms"].append(stats["grad_norm"])
-        rec["per_element"].append(stats["comm_per_element"])
+        rec["losses"].append(stats.loss)
+        rec["norms"].append(stats.grad_norm)
+        rec["per_element"].append(stats.comm_per_element)
         rec["launch_log"].append(list(opt.buffers.launch_log))
         rec["events"].append(["step", step])
     rec["bytes_per_param"] = state.bytes_per_param

@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from data.sampler import micro_batches
 from training.config import load_config
-from training.loop import train_step
 from training.setup import build_run, num_microbatches
+from training.step import train_step
 
 ALLOWED = 3
 

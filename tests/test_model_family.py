@@ -472,3 +472,19 @@ def test_model_missing_a_method_fails_at_build(method):
     config = _model_config()
     with pytest.raises(TypeError, match=method):
         Family().build_model(config, BuildContext(), PipelineLayout(config.num_layers))
+
+
+@pytest.mark.parametrize(
+    "metric",
+    ["eta-seconds", "grad-norm", "mem-allocated-bytes", "fp8/layers.0/amax", "loss validation"],
+)
+def test_a_metric_that_shadows_the_loops_is_refused(metric):
+    """A family's metric may not take a key of the loop's records (``LOOP_METRICS``, the
+    tuple the loop builds every record from) nor one of its key families (memory, FP8
+    health, validation)."""
+
+    class Shadowing(ToyFamily):  # the toy family's name: refused before any name check
+        metric_names = ("loss", metric)
+
+    with pytest.raises(ValueError, match="is reserved"):
+        register_family(Shadowing())

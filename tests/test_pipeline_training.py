@@ -97,8 +97,8 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
     from data.sampler import micro_batches
     from parallel.topology import destroy_distributed
     from training.config import load_config
-    from training.loop import train_step
     from training.setup import build_run, num_microbatches
+    from training.step import train_step
 
     for (name, level), overrides in runs.items():
         cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides)
@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
                 full = full_tensors(s.model, grad_value)
                 grads.update({f"{step}/{k}": v for k, v in full.items()})
 
-            losses.append(train_step(state, data, n_micro, grad_hook=hook)["loss"])
+            losses.append(train_step(state, data, n_micro, grad_hook=hook).loss)
         stem = Path(out_dir, f"{name}_{level}_rank{rank}")
         save_file(grads, f"{stem}.safetensors")
         Path(f"{stem}.json").write_text(json.dumps({"losses": losses}))

@@ -15,10 +15,10 @@ untimed then ``--steps`` timed ``train_step`` calls of ``--micro-batches`` micro
   parameters, beside the linear weights' theory: ``weight + weight grad + (master + Adam m +
   Adam v) / W`` bytes with the distributed optimizer (W = data-parallel size; gradients are
   not sharded: ZeRO-1), the same without ``/ W`` otherwise;
-* bytes a rank sends per step by collective (``stats["comm"]``, the comm meter's ring model)
+* bytes a rank sends per step by collective (``stats.comm``, the comm meter's ring model)
   in MB (10^6 bytes), the mean over ranks (ranks differ under the distributed optimizer: each
   gathers the weights it owns), with the bytes per element sent, scales and padding included
-  (``stats["comm_per_element"]``, the max over ranks); the total per rank, mean and max over
+  (``stats.comm_per_element``, the max over ranks); the total per rank, mean and max over
   ranks, and the mean total per model parameter;
 * the median over the timed steps of the step time (per step, the slowest rank, each step
   started after a barrier) and its ratio to bf16 with the same optimizer mode, measured in
@@ -60,8 +60,8 @@ from fp8train.precision import get_recipe  # noqa: E402
 from parallel.topology import destroy_distributed  # noqa: E402
 from tools import bench_docs  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
 from training.setup import build_run, num_microbatches  # noqa: E402
+from training.step import train_step  # noqa: E402
 
 __all__ = ["LEVELS", "measure", "table", "summary", "theory_bytes", "write_section"]
 
@@ -123,17 +123,17 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], args, out: s
         stats = train_step(state, data, n_micro)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-        losses.append(stats["loss"])
-        skipped += int(stats["skipped"])
-        if not stats["skipped"]:  # a skipped step has no optimizer step, no weight gather
+        losses.append(stats.loss)
+        skipped += int(stats.skipped)
+        if not stats.skipped:  # a skipped step has no optimizer step, no weight gather
             last = stats
     record = {
         "times": times[args.warmup :],
         "cpu": cpu[args.warmup :],
         "losses": losses,
         "skipped": skipped,
-        "comm": last["comm"] if last else {},
-        "per_element": last["comm_per_element"] if last else {},
+        "comm": last.comm if last else {},
+        "per_element": last.comm_per_element if last else {},
         "bytes_per_param": state.bytes_per_param,
         "n_micro": n_micro,
     }

@@ -32,8 +32,8 @@ from fp8train import device as devices
 from fp8train import gemm
 from fp8train.precision import split_level
 from training.config import load_config
-from training.loop import train_step
 from training.setup import build_run
+from training.step import train_step
 
 __all__ = [
     "FAMILY",
@@ -213,7 +213,7 @@ def project_row(spec: dict) -> dict:
     stats = {}
 
     def step():
-        stats.update(train_step(state, data, 1))
+        stats.update(vars(train_step(state, data, 1)))
 
     timing = time_steps(step, device, spec["warmup"], spec["steps"])
     bpp = (state.bytes_per_param or {}).get("all", {}).get("total")

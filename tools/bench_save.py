@@ -56,8 +56,8 @@ from parallel.topology import destroy_distributed  # noqa: E402
 from tools import bench_docs  # noqa: E402
 from training.checkpointer import checkpoint_files  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.loop import train_step  # noqa: E402
 from training.setup import build_run, num_microbatches  # noqa: E402
+from training.step import train_step  # noqa: E402
 
 __all__ = ["MODES", "measure", "summarise", "table", "write_section"]
 

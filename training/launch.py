@@ -70,7 +70,8 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
     # Imported after the pre-flight: the loop pulls in megatron-core (seconds) that a run
     # stopped by it never needs.
     from parallel.topology import destroy_distributed
-    from training.loop import TrainingError, pretrain
+    from training.loop import pretrain
+    from training.step import TrainingError
 
     try:
         pretrain(cfg, family=family)

@@ -114,25 +114,10 @@ class TrainOptimizer:
             {"params": decay, "wd_mult": 1.0},
             {"params": no_decay, "wd_mult": 0.0},
         ]
-        hyper = dict(
-            lr=opt_cfg.lr,
-            betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
-            eps=opt_cfg.adam_eps,
-            weight_decay=opt_cfg.weight_decay,
-        )
         # Keep empty groups: a rank may own no decayed (or no undecayed) tensor, and the
         # scheduler sets lr on every group by position.
         self.low_bit = recipe.weight_grad == "fp8"
-        if self.low_bit:
-            # O1-O3: scaled FP16 / FP8 weights with FP8 gradient slots; moments per the table.
-            self.optimizer = LowBitAdamW(
-                groups,
-                exp_avg_dtype=recipe.adam_dtypes[0],
-                exp_avg_sq_dtype=recipe.adam_dtypes[1],
-                **hyper,
-            )
-        else:
-            self.optimizer = torch.optim.AdamW(groups, foreach=True, **hyper)
+        self.optimizer = _adamw(groups, recipe, opt_cfg)
         self._state_index = {
             i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
         }
@@ -289,6 +274,23 @@ def parameter_owners(model: torch.nn.Module, params: list, world: int) -> list[i
 def trainable_parameters(model: torch.nn.Module) -> list:
     """The parameters an optimizer steps, in the order ownership is assigned."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _adamw(groups: list[dict], recipe: PrecisionRecipe, opt_cfg) -> torch.optim.Optimizer:
+    """torch's AdamW, or at O1-O3 (scaled FP16 / FP8 weights with FP8 gradient slots)
+    LowBitAdamW with the moments' dtypes of the precision table."""
+    hyper = dict(
+        lr=opt_cfg.lr,
+        betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+        eps=opt_cfg.adam_eps,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    if recipe.weight_grad == "fp8":
+        return LowBitAdamW(
+            groups, exp_avg_dtype=recipe.adam_dtypes[0], exp_avg_sq_dtype=recipe.adam_dtypes[1],
+            **hyper,
+        )  # fmt: skip
+    return torch.optim.AdamW(groups, foreach=True, **hyper)
 
 
 def _model_facts(model: torch.nn.Module) -> tuple[set[int], set[int], dict[int, str]]:

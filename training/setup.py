@@ -151,30 +151,10 @@ def _keep_padded_vocab(model_config, saved: dict | None, tensor: int):
     return replace(model_config, vocab_size=padded)
 
 
-def build_run(
-    cfg: Config, gemm_backend: str | None = None, saved_structure: dict | None = None
-) -> RunState:
-    """Everything but resume, for the model family of ``cfg`` (its ``model`` section's).
-    ``gemm_backend`` forces the FP8 GEMM backend (a resumed run reuses the one its checkpoint
-    used, so the loss sequence stays bit-identical). ``saved_structure``: the model structure
-    of the checkpoint the run resumes from (its padded vocabulary is kept, see
-    ``_keep_padded_vocab``)."""
-    fam = get_family(cfg.family)
-    recipe = cfg.precision.recipe()
-    groups, device = init_distributed(
-        cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
-    )
+def _build_model(fam, cfg: Config, model_config, layout, groups, device, recipe) -> ParallelModel:
+    """This rank's slice of the family's model on ``device``, in the level's storage, with
+    the dropout streams of its tensor and pipeline position seeded."""
     topo = groups.topology
-    check_layout(cfg, topo.world_size)
-    layout = PipelineLayout(
-        cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
-    )
-
-    data = prepare_data(fam, cfg, topo.rank)
-    model_config = _keep_padded_vocab(
-        fam.model_config(cfg, data, topo.tensor), saved_structure, topo.tensor
-    )
-
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.
     torch.manual_seed(cfg.training.seed)
@@ -199,6 +179,45 @@ def build_run(
             model_parallel_seed(stage_seed, topo.tp_rank, device)
         else:
             torch.manual_seed(stage_seed)
+    return model
+
+
+def _build_datasets(fam, cfg: Config, data):
+    """The run's train and validation datasets: every sample the run and its evaluations
+    read (validation: the same ``eval_iters`` batches at every evaluation)."""
+    t = cfg.training
+    train_samples = t.train_iters * t.global_batch_size
+    evals = t.train_iters // t.eval_interval + 1
+    valid_samples = max(1, t.eval_iters * t.global_batch_size) * (1 if evals else 0)
+    train_ds, valid_ds = fam.build_datasets(cfg, data, train_samples, valid_samples)
+    return train_ds, valid_ds
+
+
+def build_run(
+    cfg: Config, gemm_backend: str | None = None, saved_structure: dict | None = None
+) -> RunState:
+    """Everything but resume, for the model family of ``cfg`` (its ``model`` section's).
+    ``gemm_backend`` forces the FP8 GEMM backend (a resumed run reuses the one its checkpoint
+    used, so the loss sequence stays bit-identical). ``saved_structure``: the model structure
+    of the checkpoint the run resumes from (its padded vocabulary is kept, see
+    ``_keep_padded_vocab``)."""
+    fam = get_family(cfg.family)
+    recipe = cfg.precision.recipe()
+    groups, device = init_distributed(
+        cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
+    )
+    topo = groups.topology
+    check_layout(cfg, topo.world_size)
+    layout = PipelineLayout(
+        cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
+    )
+
+    data = prepare_data(fam, cfg, topo.rank)
+    model_config = _keep_padded_vocab(
+        fam.model_config(cfg, data, topo.tensor), saved_structure, topo.tensor
+    )
+
+    model = _build_model(fam, cfg, model_config, layout, groups, device, recipe)
     meter = CommMeter()
     engine = None
     if layout.is_split:
@@ -231,11 +250,7 @@ def build_run(
         optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters(), cfg.resolved_lr_warmup_iters()
     )
 
-    t = cfg.training
-    train_samples = t.train_iters * t.global_batch_size
-    evals = t.train_iters // t.eval_interval + 1
-    valid_samples = max(1, t.eval_iters * t.global_batch_size) * (1 if evals else 0)
-    train_ds, valid_ds = fam.build_datasets(cfg, data, train_samples, valid_samples)
+    train_ds, valid_ds = _build_datasets(fam, cfg, data)
     return RunState(
         cfg=cfg,
         family=fam,
