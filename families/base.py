@@ -37,7 +37,6 @@ __all__ = [
     "LossSums",
     "section_values",
     "ModelFamily",
-    "RESERVED_METRICS",
     "LOOP_METRICS",
     "LOOP_METRIC_PREFIXES",
     "register_family",
@@ -219,7 +218,6 @@ LOOP_METRICS = (
     "nan-iterations", "eta-seconds",
 )  # fmt: skip
 LOOP_METRIC_PREFIXES = ("mem-", "fp8/")
-RESERVED_METRICS = frozenset(LOOP_METRICS)
 
 
 def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
@@ -242,7 +240,7 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     names = tuple(family.metric_names)
     if not names:
         raise ValueError(f"family {family.name!r}: metric_names is empty")
-    clash = sorted(set(names) & RESERVED_METRICS) or sorted(
+    clash = sorted(set(names) & set(LOOP_METRICS)) or sorted(
         n
         for n in names
         if n.endswith((" validation", " validation ppl")) or n.startswith(LOOP_METRIC_PREFIXES)

@@ -39,9 +39,7 @@ from training.setup import RunState
 __all__ = [
     "checkpoint_config",
     "checkpoint_files",
-    "layout_now",
     "make_saver",
-    "replica_state_file",
     "restore",
 ]
 
@@ -65,7 +63,7 @@ def checkpoint_config(metadata: JsonObject, sections: tuple[str, ...] | None = N
         raise CheckpointError(f"{metadata.file}: {err}") from None
 
 
-def layout_now(state: RunState) -> dict:
+def _layout_now(state: RunState) -> dict:
     topo, cfg = state.groups.topology, state.cfg
     return {
         "tensor": topo.tensor,
@@ -77,7 +75,7 @@ def layout_now(state: RunState) -> dict:
 
 
 def restore(
-    state: RunState, path, weights_only: bool = False, log: Callable[[str], None] = print
+    state: RunState, path, *, log: Callable[[str], None], weights_only: bool = False
 ) -> tuple[int, int]:
     """Load checkpoint ``path`` into ``state``: every tensor this rank holds, cut from another
     layout's files when another layout wrote it (``log`` says so), or only the weights
@@ -90,12 +88,12 @@ def restore(
     if weights_only:
         _load_weights(state, path)
         return 0, 0
-    saved, now = layout_of(metadata), layout_now(state)
+    saved, now = layout_of(metadata), _layout_now(state)
     if saved != now:
         _restore_resharded(state, path)
         log(f"resharded {path} from {describe(saved)} to {describe(now)}")
     else:
-        replica = replica_state_file(state)
+        replica = _replica_state_file(state)
         names = (model_file(topo), optimizer_file(topo, state.optimizer.distributed))
         ckpt = load_checkpoint(path, topo.rank, names + ((replica,) if replica else ()))
         model_state = ckpt.files[names[0]]
@@ -171,7 +169,7 @@ def checkpoint_files(state: RunState, consumed: int, counters: dict) -> tuple[di
             tensors,
             optimizer_layouts(tensors, layouts, shapes),
         )
-    replica = replica_state_file(state)
+    replica = _replica_state_file(state)
     if replica:
         scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
         files[replica] = (scaling, layouts)
@@ -191,7 +189,7 @@ def make_saver(state: RunState, log: Callable[[str], None]) -> CheckpointSaver:
     )
 
 
-def replica_state_file(state: RunState) -> str | None:
+def _replica_state_file(state: RunState) -> str | None:
     """Per data-parallel rank: its FP8 scaling state (amax histories, scales). Replicas see
     different data, so their delayed-scaling histories differ; the model file holds rank 0's."""
     topo = state.groups.topology

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_logits
 from .layers import (
-    PARALLEL_LAYER_TYPES,
     ColumnParallelLinear,
     ParallelLayer,
     RowParallelLinear,
@@ -34,7 +33,6 @@ from .mappings import (
 )
 
 __all__ = [
-    "PARALLEL_LAYER_TYPES",
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
     "ParallelLayer",

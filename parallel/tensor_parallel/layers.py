@@ -64,7 +64,6 @@ from .mappings import (
 )
 
 __all__ = [
-    "PARALLEL_LAYER_TYPES",
     "ColumnParallelLinear",
     "ParallelLayer",
     "RowParallelLinear",
@@ -156,15 +155,6 @@ class ParallelLayer(nn.Module):
         """Every tensor of ``state_dict()``, under its single-process name relative to this
         layer (``weight``, ``fp8_input.scale``, ...) -> its ``ShardLayout``."""
         raise NotImplementedError
-
-    def partitions(self) -> dict[str, tuple[int, int]]:
-        """Single-process name -> (split dimension, blocks) of the tensors split across the
-        group (``shard_layouts`` restricted to them)."""
-        return {
-            name: (layout.partition_dim, layout.blocks)
-            for name, layout in self.shard_layouts().items()
-            if layout.partition_dim is not None
-        }
 
 
 class _ParallelLinear(ParallelLayer):
@@ -508,15 +498,6 @@ class VocabParallelBias(ParallelLayer):
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return logits + self.bias
-
-
-# Every tensor-parallel layer type, for code that lists them; ``is_parallel_layer`` is the test.
-PARALLEL_LAYER_TYPES: tuple[type[ParallelLayer], ...] = (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelBias,
-)
 
 
 def is_parallel_layer(module: nn.Module) -> bool:
