@@ -137,44 +137,64 @@ def test_auto_picks_the_faster_once(monkeypatch, tmp_path):
         assert select_gemm_backend(CPU) == want
 
 
-class _Recorded:
-    """A backend that records the shape of every call and runs the emulated GEMM ``factor``
-    times when ``slow_from`` <= M: a stand-in for a pathological kernel."""
+class _Clock:
+    """The race's clock (``gemm.time.perf_counter``), moved only by the stand-in backends: the
+    race's decisions are checked without timing anything (under a loaded CPU, two equally fast
+    real kernels can differ 3x in one timing and one would leave at the probe)."""
 
-    def __init__(self, factor: int, slow_from: int = 0):
-        self.factor, self.slow_from, self.shapes = factor, slow_from, []
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(gemm, "time", fake)
+    return fake
+
+
+class _Recorded:
+    """A backend that records the shape of every call and takes ``factor`` times the time of
+    an ordinary one (1 ns per multiply-add) when ``slow_from`` <= M: with factor 1 an ordinary
+    kernel, with 100 a stand-in for a pathological one."""
+
+    def __init__(self, clock: _Clock, factor: int = 1, slow_from: int = 0):
+        self.clock, self.factor, self.slow_from, self.shapes = clock, factor, slow_from, []
 
     def __call__(self, a, b, out_dtype):
-        self.shapes.append((a.shape[0], a.shape[1], b.shape[0]))
-        for _ in range(self.factor if a.shape[0] >= self.slow_from else 1):
-            out = gemm._gemm_emulated(a, b, out_dtype)
-        return out
+        m, k, n = a.shape[0], a.shape[1], b.shape[0]
+        self.shapes.append((m, k, n))
+        self.clock.now += m * k * n * 1e-9 * (self.factor if m >= self.slow_from else 1)
 
 
-def test_auto_drops_a_100x_slower_backend_before_full_size():
+def test_auto_drops_a_100x_slower_backend_before_full_size(clock):
     """A kernel 100x slower than emulation at every size: the probe finds it, and it never
     runs at the full shape."""
-    slow = _Recorded(100)
+    slow = _Recorded(clock, 100)
     full = gemm._AUTO_SHAPE["cpu"]
     times, left = gemm.race_gemm_backends(
-        CPU, backends={"emulated": gemm._gemm_emulated, "slow": slow}
+        CPU, backends={"emulated": _Recorded(clock), "slow": slow}
     )
     assert set(times) == {"emulated"} and "slow" in left, (times, left)
     assert full not in slow.shapes and len(slow.shapes) == 2  # the two probe rounds
 
 
-def test_auto_calls_a_backend_slow_only_at_full_size_once():
+def test_auto_calls_a_backend_slow_only_at_full_size_once(clock):
     """A kernel fine at the probe but 100x slower at the full shape runs there once."""
     full = gemm._AUTO_SHAPE["cpu"]
-    slow = _Recorded(100, slow_from=full[0])
+    slow = _Recorded(clock, 100, slow_from=full[0])
     times, left = gemm.race_gemm_backends(
-        CPU, backends={"emulated": gemm._gemm_emulated, "slow": slow}
+        CPU, backends={"emulated": _Recorded(clock), "slow": slow}
     )
     assert set(times) == {"emulated"} and "slow" in left, (times, left)
     assert slow.shapes.count(full) == 1, slow.shapes
     # The one it drops is the slower one, whichever order they run in.
     times, left = gemm.race_gemm_backends(
-        CPU, backends={"slow": _Recorded(100, slow_from=full[0]), "emulated": gemm._gemm_emulated}
+        CPU,
+        backends={"slow": _Recorded(clock, 100, slow_from=full[0]), "emulated": _Recorded(clock)},
     )
     assert set(times) == {"emulated"}
 
