@@ -124,7 +124,7 @@ class TransformerSection(Section):
                     f"({parallel.tensor})"
                 )
         try:  # the pipeline split's one rule lives in PipelineLayout
-            PipelineLayout(self.num_layers, parallel.pipeline, parallel.virtual_pipeline or 1)
+            PipelineLayout(self.num_layers, parallel.pipeline, parallel.virtual_stages)
         except PipelineLayoutError as err:
             raise ConfigError(f"config: {err}") from None
 

@@ -179,11 +179,10 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
     """3 steps of ``state``'s run; fills ``tensors`` with the gradients (see ``_worker``) and
     returns the run's record."""
     from data.sampler import micro_batches
-    from training.setup import num_microbatches
     from training.step import train_step
 
     cfg, topo, opt = state.cfg, state.groups.topology, state.optimizer
-    n_micro = num_microbatches(cfg, topo.data)
+    n_micro = state.plan.micro_batches
     data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, topo.dp_rank, topo.data)
     names = {id(p): n for n, p in state.model.named_parameters()}
     rec = {"losses": [], "norms": [], "per_element": [], "launch_log": [], "events": []}

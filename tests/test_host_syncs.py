@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from data.sampler import micro_batches
 from training.config import load_config
-from training.setup import build_run, num_microbatches
+from training.setup import build_run
 from training.step import train_step
 
 ALLOWED = 3
@@ -56,7 +56,7 @@ def test_one_step_reads_at_most_three_values(tiny_data, tmp_path, level):
     overrides = tiny_overrides(tiny_data, tmp_path, level)
     cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides)
     state = build_run(cfg)
-    n_micro = num_microbatches(cfg, 1)
+    n_micro = state.plan.micro_batches
     data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, 0, 1)
     train_step(state, data, n_micro)  # the first step sets up state (moments, amax histories)
     with _CountReads() as reads:

@@ -97,14 +97,14 @@ def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
     from data.sampler import micro_batches
     from parallel.topology import destroy_distributed
     from training.config import load_config
-    from training.setup import build_run, num_microbatches
+    from training.setup import build_run
     from training.step import train_step
 
     for (name, level), overrides in runs.items():
         cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides)
         state = build_run(cfg)  # later runs reuse the process group and add their groups
         topo = state.groups.topology
-        n_micro = num_microbatches(cfg, topo.data)
+        n_micro = state.plan.micro_batches
         data = micro_batches(
             state.train_ds, 0, cfg.training.micro_batch_size, topo.dp_rank, topo.data
         )

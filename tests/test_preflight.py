@@ -175,6 +175,40 @@ def test_another_layout_or_a_finetune_is_not_refused(tiny_data, checkpoints, tmp
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_the_plan_it_hands_to_the_build(tiny_data, checkpoints, tmp_path):
+    """What the pre-flight worked out is what the run uses: the split, micro-batches per step,
+    chunks per stage, the logging rank and the checkpoint (its metadata, read once)."""
+    pipelined = {
+        "parallel.tensor": 2, "parallel.pipeline": 2, "parallel.virtual_pipeline": 2,
+        "model.num_layers": 4, "training.global_batch_size": 16,
+    }  # fmt: skip
+    cfg = load_config(CONFIG, _overrides(tiny_data, tmp_path / "a", **pipelined))
+    plan = preflight(cfg, 8)
+    micro = 16 // (cfg.training.micro_batch_size * 2)  # 2 data-parallel ranks
+    assert (plan.world_size, plan.tensor, plan.pipeline, plan.data) == (8, 2, 2, 2)
+    assert (plan.virtual_stages, plan.micro_batches) == (2, micro)
+    assert plan.logging_rank == 7 and plan.resume is None
+    assert preflight(cfg, None) is None  # world size not known yet: checks only
+    own = load_config(CONFIG, _overrides(tiny_data, checkpoints["good"].parent.parent))
+    resume = preflight(own, 1).resume
+    assert resume.path == checkpoints["good"] and not resume.weights_only
+    saved = json.loads((checkpoints["good"] / "metadata.json").read_text())
+    assert resume.iteration == saved["iteration"] == 1
+    assert resume.gemm_backend == saved["fp8_gemm_backend"]
+    assert resume.saved_structure == saved["model_structure"]
+    finetune = {"checkpoint.load": str(checkpoints["good"]), "checkpoint.finetune": True}
+    resume = preflight(load_config(CONFIG, _overrides(tiny_data, tmp_path / "b", **finetune)), 1)
+    assert resume.resume.weights_only and resume.resume.saved_structure is None
+
+
+def test_the_build_refuses_a_plan_for_another_world_size(tiny_data, tmp_path):
+    from training.setup import build_run
+
+    cfg = load_config(CONFIG, _overrides(tiny_data, tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^config: planned for 2 ranks, but WORLD_SIZE=1$"):
+        build_run(cfg, preflight(cfg, 2))
+
+
 def test_the_default_corpus_still_to_be_built_is_no_error(tmp_path):
     """An empty data.cache_dir: the corpus is built when the run starts; nothing is written
     now. Its cache directory must be creatable, though."""

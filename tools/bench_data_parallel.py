@@ -60,7 +60,7 @@ from fp8train.precision import get_recipe  # noqa: E402
 from parallel.topology import destroy_distributed  # noqa: E402
 from tools import bench_docs  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.setup import build_run, num_microbatches  # noqa: E402
+from training.setup import build_run  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 __all__ = ["LEVELS", "measure", "table", "summary", "theory_bytes", "write_section"]
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], args, out: s
     cfg = load_config(str(REPO / CONFIG), overrides + [f"logging.dir={out}/run"])
     state = build_run(cfg)
     topo = state.groups.topology
-    n_micro = num_microbatches(cfg, topo.data)
+    n_micro = state.plan.micro_batches
     data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, topo.dp_rank, topo.data)
     times, cpu, losses, skipped, last = [], [], [], 0, None
     for _ in range(args.warmup + args.steps):

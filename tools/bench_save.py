@@ -56,7 +56,7 @@ from parallel.topology import destroy_distributed  # noqa: E402
 from tools import bench_docs  # noqa: E402
 from training.checkpointer import checkpoint_files  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.setup import build_run, num_microbatches  # noqa: E402
+from training.setup import build_run  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 __all__ = ["MODES", "measure", "summarise", "table", "write_section"]
@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     cfg = load_config(str(REPO / CONFIG), _overrides(args, out))
     state = build_run(cfg)
     topo = state.groups.topology
-    n_micro = num_microbatches(cfg, topo.data)
+    n_micro = state.plan.micro_batches
     t = cfg.training
     data = micro_batches(state.train_ds, 0, t.micro_batch_size, topo.dp_rank, topo.data)
     savers = {

@@ -23,16 +23,15 @@ from checkpoint.reshard import (
     reshard,
 )
 from checkpoint.store import (
-    check_format,
     fp8_replica_file,
     load_checkpoint,
     model_file,
     optimizer_file,
-    read_metadata,
     restore_rng,
 )
 from families.base import checkpoint_family
 from training.config import ConfigError, config_from_dict, config_to_dict
+from training.plan import ResumePlan
 from training.resume_check import check_compatible
 from training.setup import RunState
 
@@ -64,26 +63,25 @@ def checkpoint_config(metadata: JsonObject, sections: tuple[str, ...] | None = N
 
 
 def _layout_now(state: RunState) -> dict:
-    topo, cfg = state.groups.topology, state.cfg
+    plan = state.plan
     return {
-        "tensor": topo.tensor,
-        "pipeline": topo.pipeline,
-        "virtual_pipeline": cfg.parallel.virtual_pipeline or 1,
-        "data": topo.data,
+        "tensor": plan.tensor,
+        "pipeline": plan.pipeline,
+        "virtual_pipeline": plan.virtual_stages,
+        "data": plan.data,
         "distributed": state.optimizer.distributed,
     }
 
 
-def restore(
-    state: RunState, path, *, log: Callable[[str], None], weights_only: bool = False
-) -> tuple[int, int]:
-    """Load checkpoint ``path`` into ``state``: every tensor this rank holds, cut from another
-    layout's files when another layout wrote it (``log`` says so), or only the weights
-    (``weights_only``: a fine-tune). Returns ``(iteration, consumed samples)``: ``(0, 0)`` for
-    a fine-tune."""
-    topo = state.groups.topology
-    metadata = read_metadata(path)
-    check_format(path, metadata)
+def restore(state: RunState, resume: ResumePlan, *, log: Callable[[str], None]) -> tuple[int, int]:
+    """Load the checkpoint the run resumes from (its metadata read and checked by the plan)
+    into ``state``: every tensor this rank holds, cut from another layout's files when another
+    layout wrote it (``log`` says so), or only the weights (``resume.weights_only``: a
+    fine-tune). Returns ``(iteration, consumed samples)``: ``(0, 0)`` for a fine-tune."""
+    topo, path, metadata = state.groups.topology, resume.path, resume.metadata
+    # The plan compared the model before it was built (maybe not at all: the default corpus
+    # was not built yet); the built model config is compared here.
+    weights_only = resume.weights_only
     check_compatible(state.family, state.cfg, state.model_config, metadata, path, weights_only)
     if weights_only:
         _load_weights(state, path)

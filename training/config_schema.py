@@ -216,6 +216,11 @@ class ParallelConfig(_Section):
         "auto", "Process-group backend; auto = nccl on CUDA, gloo on CPU."
     )
 
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline stage: ``virtual_pipeline``, 1 when it is null."""
+        return self.virtual_pipeline or 1
+
     def _check(self) -> None:
         if self.sequence_parallel and self.tensor == 1:
             raise self._err("parallel.sequence_parallel requires parallel.tensor > 1")

@@ -63,7 +63,7 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
     # node (its local rank 0), so a node that alone lacks a file still says so.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = check_run(args.config, args.overrides, family, world)
+        cfg, plan = check_run(args.config, args.overrides, family, world)
     except PREFLIGHT_ERRORS as err:
         _report(err, os.environ.get("LOCAL_RANK", rank) == "0")
         return 2
@@ -74,7 +74,7 @@ def main(family: str, argv: list[str] | None = None, description: str = "") -> i
     from training.step import TrainingError
 
     try:
-        pretrain(cfg, family=family)
+        pretrain(cfg, family=family, plan=plan)
     except PREFLIGHT_ERRORS as err:  # bad input found later (e.g. while loading)
         # Every rank hits the same check; one line from rank 0 is enough.
         _report(err, rank == "0")

@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -18,10 +19,12 @@ from fp8train.machine_cache import remember
 from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
+from training.layout import check_layout
 from training.metrics import MetricsWriter, format_console_line
-from training.resume_check import find_resume, read_resume_metadata
+from training.plan import RunPlan
+from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
-from training.setup import RunState, build_run, num_microbatches
+from training.setup import RunState, build_run
 from training.signals import StopSignals
 from training.step import StepStats, TrainingError, check_skips, evaluate, train_step
 
@@ -45,42 +48,38 @@ def _peak(state: RunState) -> tuple[float, str]:
     return float(peak), f"fp32 matmul rate of {name}, {source}"
 
 
-def _already_complete(cfg: Config, path, saved: dict) -> dict:
+def _already_complete(cfg: Config, plan: RunPlan) -> dict:
     """A run whose checkpoint has reached training.train_iters: say so and build nothing (no
     process group, data, model or empty TensorBoard file). Every rank reads the same
     checkpoint and returns here alike; the rank that would log prints."""
-    iteration = saved["iteration"]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    resume = plan.resume
     _print(
-        int(os.environ.get("RANK", "0")) == world - 1,
-        f"training already complete: {path} is at iteration {iteration} of "
+        int(os.environ.get("RANK", "0")) == plan.logging_rank,
+        f"training already complete: {resume.path} is at iteration {resume.iteration} of "
         f"training.train_iters={cfg.training.train_iters}; raise training.train_iters to "
         "train further",
     )
-    return {"iteration": iteration, "consumed_samples": saved["consumed_samples"],
-            "stopped_by": None}  # fmt: skip
+    consumed = resume.metadata["consumed_samples"]
+    return {"iteration": resume.iteration, "consumed_samples": consumed, "stopped_by": None}
 
 
-def pretrain(cfg: Config, family: str | None = None) -> dict:
+def pretrain(cfg: Config, family: str | None = None, plan: RunPlan | None = None) -> dict:
     """Train per ``cfg`` (its model family is its ``model`` section's; ``family``, when
-    given, must agree); returns a summary (last logged losses, iterations run, ...)."""
+    given, must agree) as the pre-flight's ``plan`` says (without one, e.g. from a test or a
+    tool: the layout is checked and the checkpoint to resume found here); returns a summary
+    (last logged losses, iterations run, ...)."""
     if family is not None and family != cfg.family:
         raise ConfigError(
             f"config: the model section is a {cfg.family!r} one, this run trains {family!r} "
             f"(load the config with family={family!r})"
         )
-    resume_from, weights_only = find_resume(cfg)
-    # A resumed run keeps the FP8 GEMM backend its checkpoint used: same arithmetic.
-    saved_backend, saved_structure = None, None
-    if resume_from is not None:  # checked before anything is built
-        saved = read_resume_metadata(resume_from, cfg.family)
-        if not weights_only:  # a fine-tune picks its own backend and vocabulary padding
-            saved_backend = saved.get("fp8_gemm_backend")
-            saved_structure = saved.get("model_structure")
-            if saved["iteration"] >= cfg.training.train_iters:
-                return _already_complete(cfg, resume_from, saved)
-    state = build_run(cfg, gemm_backend=saved_backend, saved_structure=saved_structure)
-    run = _Run(state, resume_from, weights_only)
+    if plan is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        plan = replace(check_layout(cfg, world), resume=resume_plan(cfg))
+    resume = plan.resume
+    if resume and not resume.weights_only and resume.iteration >= cfg.training.train_iters:
+        return _already_complete(cfg, plan)
+    run = _Run(build_run(cfg, plan))
     with StopSignals(cfg.checkpoint.save_on_signal) as signals:
         try:
             while run.iteration < cfg.training.train_iters:
@@ -101,25 +100,24 @@ class _Run:
     """One run's loop state around ``train_step``: position (iteration, samples), counters,
     the log interval's sums, the metrics writer and the checkpoint saver."""
 
-    def __init__(self, state: RunState, resume_from, weights_only: bool):
-        cfg, topo = state.cfg, state.groups.topology
+    def __init__(self, state: RunState):
+        cfg, topo, resume = state.cfg, state.groups.topology, state.plan.resume
         self.state, self.cfg, self.t = state, cfg, cfg.training
         # One job per checkpoint directory, held until this process ends.
         state.run_lock = acquire_run_lock(cfg.resolved_checkpoint_dir(), topo.rank, state.device)
-        # The loss lives on the last pipeline stage; of its data-parallel ranks the last logs.
-        self.logs = topo.rank == topo.world_size - 1
+        self.logs = topo.rank == state.plan.logging_rank
         self.announce = functools.partial(_print, self.logs)  # from the logging rank only
-        self.n_micro = num_microbatches(cfg, topo.data)
+        self.n_micro = state.plan.micro_batches
         self.iteration, self.consumed = 0, 0
         self.counters = {"skipped": 0, "nan": 0}
-        if resume_from is not None and weights_only:
-            restore(state, resume_from, weights_only=True, log=self.announce)
-            self.announce(f"loaded the weights of {resume_from}: fine-tuning from iteration 0")
-        elif resume_from is not None:
-            self.iteration, self.consumed = restore(state, resume_from, log=self.announce)
+        resumed = resume is not None and not resume.weights_only
+        if resume is not None:
+            self.iteration, self.consumed = restore(state, resume, log=self.announce)
+        if resumed:
             self.counters.update(state.resumed_counters)
-            self.announce(f"resumed from {resume_from} at iteration {self.iteration}")
-        resumed = resume_from is not None and not weights_only
+            self.announce(f"resumed from {resume.path} at iteration {self.iteration}")
+        elif resume is not None:
+            self.announce(f"loaded the weights of {resume.path}: fine-tuning from iteration 0")
         log = cfg.logging
         self.writer = MetricsWriter(
             log.dir, enabled=self.logs, tensorboard=log.tensorboard,
@@ -235,8 +233,8 @@ class _Run:
     def _log(self, losses: dict, stats: StepStats, step_time: float, valid, eta: float) -> dict:
         """``losses``: each metric's mean over the log interval; ``valid``: the validation
         values (None when no evaluation was due); ``eta``: estimated seconds to train_iters."""
-        state, writer, iteration, consumed = self.state, self.writer, self.iteration, self.consumed
-        flops, peak, counters, logs = self.flops, self.peak, self.counters, self.logs
+        state, iteration, consumed = self.state, self.iteration, self.consumed
+        flops, peak, counters = self.flops, self.peak, self.counters
         topo = state.groups.topology
         tflops = flops / (step_time * 1e12 * topo.world_size)
         bpp = state.bytes_per_param or {}
@@ -275,32 +273,36 @@ class _Run:
         mem = devices.memory_stats(state.device)
         for key, value in mem.items():  # Megatron's names: mem-allocated-bytes, ...
             m[f"mem-{key.replace('_', '-')}-bytes"] = value
-        m.update(_stage_memory(state))
-        if logs:
-            train_iters = state.cfg.training.train_iters
-            print(
-                format_console_line(iteration, train_iters, m, state.metrics, family.sample_unit),
-                flush=True,
-            )
-            if valid is not None:
-                parts = [f" validation loss at iteration {iteration}"]
-                for name, value in valid.items():
-                    parts.append(f"{name} value: {value:.6E}")
-                    if name in family.perplexity_metrics:
-                        parts.append(f"{name} PPL: {m[f'{name} validation ppl']:.6E}")
-                print(" | ".join(parts) + " |", flush=True)
-            scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
-            scalars.pop("iteration")
-            for role, value in m["bytes-per-param-by-role"].items():
-                scalars[f"bytes-per-param/{role}"] = value
-            for name, value in m["comm-bytes"].items():
-                scalars[f"comm-bytes/{name}"] = value
-            for name, value in m["wire-bytes-per-element"].items():
-                scalars[f"wire-bytes-per-element/{name}"] = value
-            writer.scalars(iteration, scalars, samples=consumed)
-            writer.record(m)
-            writer.flush()
+        m.update(_stage_memory(state))  # collective: every rank, not only the one that logs
+        if self.logs:
+            self._emit(m, valid)
         return m
+
+    def _emit(self, m: dict, valid: dict | None) -> None:
+        """The logging rank's output of one interval's metrics ``m``: the console line (and
+        the validation line), TensorBoard scalars and the metrics.jsonl record."""
+        state, family, iteration = self.state, self.state.family, self.iteration
+        print(
+            format_console_line(
+                iteration, self.t.train_iters, m, state.metrics, family.sample_unit
+            ),
+            flush=True,
+        )
+        if valid is not None:
+            parts = [f" validation loss at iteration {iteration}"]
+            for name, value in valid.items():
+                parts.append(f"{name} value: {value:.6E}")
+                if name in family.perplexity_metrics:
+                    parts.append(f"{name} PPL: {m[f'{name} validation ppl']:.6E}")
+            print(" | ".join(parts) + " |", flush=True)
+        scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
+        scalars.pop("iteration")
+        for group in ("bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-element"):
+            prefix = "bytes-per-param" if group == "bytes-per-param-by-role" else group
+            scalars.update((f"{prefix}/{name}", value) for name, value in m[group].items())
+        self.writer.scalars(iteration, scalars, samples=self.consumed)
+        self.writer.record(m)
+        self.writer.flush()
 
     def close(self) -> dict:
         self.writer.close()

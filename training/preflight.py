@@ -20,6 +20,7 @@ Reads only: headers, ``stat``s, the tokenizer; never the data or a tensor.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from checkpoint.store import CheckpointError
 from data.paths import check_directory
@@ -27,7 +28,8 @@ from families import get_family
 from parallel.topology import TopologyError
 from training.config import Config, ConfigError, load_config
 from training.layout import check_layout
-from training.resume_check import check_compatible, find_resume, read_resume_metadata
+from training.plan import ResumePlan, RunPlan
+from training.resume_check import check_compatible, resume_plan
 from training.run_lock import run_lock_problem
 
 __all__ = ["PREFLIGHT_ERRORS", "preflight", "check_run"]
@@ -55,28 +57,29 @@ def _check_directories(cfg: Config) -> None:
         raise CheckpointError(held)
 
 
-def _check_checkpoint(cfg: Config, family, model_config) -> None:
-    path, weights_only = find_resume(cfg)
-    if path is None:
-        return
+def _check_checkpoint(cfg: Config, family, model_config) -> ResumePlan | None:
+    resume = resume_plan(cfg)
+    if resume is None:
+        return None
     from checkpoint.reshard import SourceCheckpoint  # reads file headers only
 
-    saved = read_resume_metadata(path, cfg.family)
+    path = resume.path
     try:
-        check_compatible(family, cfg, model_config, saved, path, weights_only)
+        check_compatible(family, cfg, model_config, resume.metadata, path, resume.weights_only)
     except (KeyError, TypeError) as err:  # a metadata.json without the keys a save writes
         raise CheckpointError(f"{path / 'metadata.json'}: incomplete ({err!r} missing)") from None
     # Every model and optimizer file of its layout present, each header readable: what
     # resharding to any other layout reads.
     SourceCheckpoint(path)
+    return resume
 
 
-def preflight(cfg: Config, world_size: int | None) -> None:
+def preflight(cfg: Config, world_size: int | None) -> RunPlan | None:
     """Every check above for ``cfg`` on ``world_size`` ranks (None: not known yet, e.g. an
-    elastic node range; the layout is then checked by each worker). Raises one of
+    elastic node range; the layout is then checked by each worker). Returns the run's plan
+    (None without a world size), which the build takes as it is. Raises one of
     ``PREFLIGHT_ERRORS`` with a one-line message; writes nothing."""
-    if world_size is not None:
-        check_layout(cfg, world_size)
+    plan = check_layout(cfg, world_size) if world_size is not None else None
     _check_directories(cfg)
     family = get_family(cfg.family)
     try:
@@ -85,13 +88,13 @@ def preflight(cfg: Config, world_size: int | None) -> None:
         raise ConfigError(f"config: {err}") from None
     except OSError as err:  # e.g. a data file it may not read: the message names the file
         raise ConfigError(f"config: data: {err}") from None
-    _check_checkpoint(cfg, family, model_config)
+    resume = _check_checkpoint(cfg, family, model_config)
+    return None if plan is None else replace(plan, resume=resume)
 
 
 def check_run(
     config: str | os.PathLike, overrides: list[str], family: str, world_size: int | None
-) -> Config:
-    """Load the config of a ``family`` run and pre-flight it; returns the config."""
+) -> tuple[Config, RunPlan | None]:
+    """Load the config of a ``family`` run and pre-flight it: ``(config, plan)``."""
     cfg = load_config(os.fspath(config), overrides, family)
-    preflight(cfg, world_size)
-    return cfg
+    return cfg, preflight(cfg, world_size)

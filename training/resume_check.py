@@ -23,8 +23,15 @@ from checkpoint.store import (
 )
 from fp8train.precision import get_recipe
 from training.config import Config, ConfigError, config_to_dict
+from training.plan import ResumePlan
 
-__all__ = ["find_resume", "read_resume_metadata", "check_compatible", "FREE_MODEL_FIELDS"]
+__all__ = [
+    "find_resume",
+    "read_resume_metadata",
+    "resume_plan",
+    "check_compatible",
+    "FREE_MODEL_FIELDS",
+]
 
 # Model fields that shape no tensor: a resumed or fine-tuned run may change them.
 FREE_MODEL_FIELDS = frozenset(
@@ -61,6 +68,15 @@ def read_resume_metadata(path: Path, family: str) -> dict:
             f"{family!r}"
         )
     return saved
+
+
+def resume_plan(cfg: Config) -> ResumePlan | None:
+    """The checkpoint the run starts from (``find_resume``), its metadata read and checked
+    once (``read_resume_metadata``); None for a fresh start."""
+    path, weights_only = find_resume(cfg)
+    if path is None:
+        return None
+    return ResumePlan(path, weights_only, read_resume_metadata(path, cfg.family))
 
 
 def check_compatible(

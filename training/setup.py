@@ -25,15 +25,14 @@ from parallel.pipeline import PipelineEngine, PipelineLayout
 from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
-from training.layout import check_layout, num_microbatches
+from training.layout import check_layout
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
+from training.plan import RunPlan
 
 __all__ = [
     "RunState",
     "build_run",
     "prepare_data",
-    "num_microbatches",
-    "check_layout",
     "scaling_recipe",
 ]
 
@@ -41,6 +40,7 @@ __all__ = [
 @dataclass
 class RunState:
     cfg: Config
+    plan: RunPlan  # the split, micro-batches, chunks per stage, resume (training/plan.py)
     family: ModelFamily
     metrics: tuple[str, ...]  # the family's run_metrics(cfg): what loss() returns and the log shows
     groups: ProcessGroups
@@ -193,26 +193,28 @@ def _build_datasets(fam, cfg: Config, data):
     return train_ds, valid_ds
 
 
-def build_run(
-    cfg: Config, gemm_backend: str | None = None, saved_structure: dict | None = None
-) -> RunState:
-    """Everything but resume, for the model family of ``cfg`` (its ``model`` section's).
-    ``gemm_backend`` forces the FP8 GEMM backend (a resumed run reuses the one its checkpoint
-    used, so the loss sequence stays bit-identical). ``saved_structure``: the model structure
-    of the checkpoint the run resumes from (its padded vocabulary is kept, see
-    ``_keep_padded_vocab``)."""
+def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
+    """Everything but loading the checkpoint, for the model family of ``cfg`` (its ``model``
+    section's), as ``plan`` (the pre-flight's) says; without one, the layout is checked here
+    and nothing is resumed. A plan that resumes keeps its checkpoint's FP8 GEMM backend (the
+    loss sequence stays bit-identical) and padded vocabulary (``_keep_padded_vocab``)."""
     fam = get_family(cfg.family)
     recipe = cfg.precision.recipe()
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
     topo = groups.topology
-    check_layout(cfg, topo.world_size)
-    layout = PipelineLayout(
-        cfg.model.num_layers, topo.pipeline, cfg.parallel.virtual_pipeline or 1, topo.pp_rank
-    )
+    if plan is None:
+        plan = check_layout(cfg, topo.world_size)
+    elif plan.world_size != topo.world_size:
+        raise ConfigError(
+            f"config: planned for {plan.world_size} ranks, but WORLD_SIZE={topo.world_size}"
+        )
+    resume = plan.resume
+    layout = PipelineLayout(cfg.model.num_layers, topo.pipeline, plan.virtual_stages, topo.pp_rank)
 
     data = prepare_data(fam, cfg, topo.rank)
+    saved_structure = resume.saved_structure if resume else None
     model_config = _keep_padded_vocab(
         fam.model_config(cfg, data, topo.tensor), saved_structure, topo.tensor
     )
@@ -232,7 +234,8 @@ def build_run(
 
     chosen = None
     if recipe.fp8_gemm:
-        chosen = _agree_gemm_backend(gemm_backend or cfg.precision.fp8_gemm_backend, device)
+        saved_backend = resume.gemm_backend if resume else None
+        chosen = _agree_gemm_backend(saved_backend or cfg.precision.fp8_gemm_backend, device)
         gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(
@@ -253,6 +256,7 @@ def build_run(
     train_ds, valid_ds = _build_datasets(fam, cfg, data)
     return RunState(
         cfg=cfg,
+        plan=plan,
         family=fam,
         metrics=_run_metrics(fam, cfg),
         groups=groups,
