@@ -63,10 +63,26 @@ __all__ = [
     "optimizer_layouts",
     "reassemble",
     "reassemble_tensor",
+    "is_fp8_scaling_state",
+    "is_model_parameter",
 ]
 
 FORMAT_VERSION = 2
 LAYOUT_KEY = "fp8train.layouts"
+
+
+def is_fp8_scaling_state(name: str) -> bool:
+    """Whether canonical name ``name`` is FP8 scaling state (amax histories, scales: a
+    component starting ``fp8_``), which follows the run, not the model: a replica keeps its
+    own, and exports and inference readers leave it out."""
+    return ".fp8_" in f".{name}"
+
+
+def is_model_parameter(name: str) -> bool:
+    """Whether canonical name ``name`` is a model parameter: neither FP8 scaling state nor
+    the ``*_scale_inv`` of a scaled FP16/FP8 weight (a reader of the format gets that weight
+    dequantised already)."""
+    return not is_fp8_scaling_state(name) and not name.endswith("scale_inv")
 
 
 class CheckpointError(RuntimeError):

@@ -17,7 +17,7 @@ from conftest import REPO, tiny_overrides
 from multiproc import launch, pretrain_ranks
 
 from training.config import load_config
-from training.launch import main as entry_main
+from training.entry_point import main as entry_main
 from training.loop import pretrain
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

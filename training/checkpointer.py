@@ -13,7 +13,12 @@ import dataclasses
 from collections.abc import Callable
 
 from checkpoint.async_writer import CheckpointSaver
-from checkpoint.format import CheckpointError, JsonObject, optimizer_layouts
+from checkpoint.format import (
+    CheckpointError,
+    JsonObject,
+    is_fp8_scaling_state,
+    optimizer_layouts,
+)
 from checkpoint.reshard import (
     SourceCheckpoint,
     Target,
@@ -169,7 +174,7 @@ def checkpoint_files(state: RunState, consumed: int, counters: dict) -> tuple[di
         )
     replica = _replica_state_file(state)
     if replica:
-        scaling = {k: v for k, v in model_state.items() if ".fp8_" in f".{k}"}
+        scaling = {k: v for k, v in model_state.items() if is_fp8_scaling_state(k)}
         files[replica] = (scaling, layouts)
     return files, meta
 

@@ -300,9 +300,9 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv[0], argv[1:], family)
         if world_size is not None:
-            from training.layout import check_layout  # imports torch: only when asked
+            from training.plan import plan_parallel  # imports torch: only when asked
 
-            check_layout(cfg, world_size)
+            plan_parallel(cfg, world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ import torch
 
 from checkpoint.format import (
     FORMAT_VERSION,
+    is_fp8_scaling_state,
     slice_suffix,
     write_tensors,
     write_tensors_streaming,
@@ -206,7 +207,7 @@ def convert_native(
                     continue
                 _write_optimizer(source, model, targets, tmp, suffix, layout, progress)
                 if layout.data > 1 and recipe.fp8_gemm:
-                    scaling = {n: t for n, t in targets.items() if ".fp8_" in f".{n}"}
+                    scaling = {n: t for n, t in targets.items() if is_fp8_scaling_state(n)}
                     for d in range(layout.data):  # every replica starts from the same state
                         path = tmp / f"fp8_scaling{suffix}_dp{d}.safetensors"
                         _write(path, scaling, reshard_iter(source, "model", scaling), progress)

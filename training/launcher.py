@@ -61,7 +61,7 @@ def preflight_error(args) -> str | None:
     family = match.group(1)
     if family not in family_names():
         return None
-    from training.launch import entry_parser
+    from training.entry_point import entry_parser
     from training.preflight import PREFLIGHT_ERRORS, check_run
 
     parser = entry_parser(family)

@@ -19,9 +19,8 @@ from fp8train.machine_cache import remember
 from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
-from training.layout import check_layout
 from training.metrics import MetricsWriter, format_console_line
-from training.plan import RunPlan
+from training.plan import RunPlan, plan_parallel
 from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
 from training.setup import RunState, build_run
@@ -75,7 +74,7 @@ def pretrain(cfg: Config, family: str | None = None, plan: RunPlan | None = None
         )
     if plan is None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        plan = replace(check_layout(cfg, world), resume=resume_plan(cfg))
+        plan = replace(plan_parallel(cfg, world), resume=resume_plan(cfg))
     resume = plan.resume
     if resume and not resume.weights_only and resume.iteration >= cfg.training.train_iters:
         return _already_complete(cfg, plan)

@@ -6,7 +6,10 @@ the run starts from (its metadata read and format-checked once). The build
 (``training.setup.build_run``), the loop and the checkpointer take them from here instead of
 working them out again, so a rule changed in one place cannot disagree with a copy elsewhere.
 
-Light on purpose (no torch): the launcher's pre-flight imports it.
+``plan_parallel`` is the half that needs only the config and the world size; the launcher
+runs it (through the pre-flight) before torchrun starts, and ``python -m training.config
+--world-size N`` from the command line. Light on purpose (torch and the topology, no
+megatron, no data): the pre-flight should cost a second, not the start-up of a run.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
+from parallel.pipeline.schedules import check_schedule
+from parallel.topology import Topology, TopologyError
+from training.config_schema import Config, ConfigError
+
 if TYPE_CHECKING:
     from checkpoint.format import JsonObject
 
-__all__ = ["ResumePlan", "RunPlan"]
+__all__ = ["ResumePlan", "RunPlan", "num_microbatches", "plan_parallel"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +76,37 @@ class RunPlan:
         """The rank that prints and writes metrics: the loss lives on the last pipeline
         stage, and of its data-parallel ranks the last one logs."""
         return self.world_size - 1
+
+
+def num_microbatches(cfg: Config, data_parallel: int) -> int:
+    t = cfg.training
+    per_step = t.micro_batch_size * data_parallel
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"config: training.global_batch_size={t.global_batch_size} is not divisible by "
+            f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {data_parallel}"
+        )
+    return t.global_batch_size // per_step
+
+
+def plan_parallel(cfg: Config, world_size: int) -> RunPlan:
+    """The run's plan without its resume part (the split, micro-batches per step, model
+    chunks per stage), checking every rule that needs the world size on the way, as one-line
+    ``ConfigError``s naming the keys: the topology, sequence and batch splits, the pipeline
+    split and schedule."""
+    p = cfg.parallel
+    try:
+        topo = Topology(world_size=world_size, rank=0, tensor=p.tensor, pipeline=p.pipeline)
+    except TopologyError as err:
+        raise ConfigError(f"config: {err}") from None
+    n_micro = num_microbatches(cfg, topo.data)
+    try:
+        layout = PipelineLayout(cfg.model.num_layers, topo.pipeline, p.virtual_stages)
+        if layout.is_split:
+            check_schedule(p.pipeline_schedule, layout.stages, n_micro, layout.virtual)
+    except PipelineLayoutError as err:
+        raise ConfigError(f"config: {err}") from None
+    return RunPlan(
+        world_size=world_size, tensor=topo.tensor, pipeline=topo.pipeline, data=topo.data,
+        virtual_stages=p.virtual_stages, micro_batches=n_micro,
+    )  # fmt: skip

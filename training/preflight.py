@@ -1,7 +1,7 @@
 """Pre-flight: everything a run's config and its world size let us check before any worker
 starts or any process group exists, each problem one line naming the key or file.
 
-- the parallel layout and the batch split for the world size (training/layout.py);
+- the parallel layout and the batch split for the world size (training/plan.py);
 - ``logging.dir`` and ``checkpoint.dir`` can be created and written (nothing is created),
   and no running job holds ``checkpoint.dir`` (training/run_lock.py);
 - the family's data: files present and in their format, the tokenizer loads, caches can be
@@ -13,7 +13,7 @@ starts or any process group exists, each problem one line naming the key or file
 
 It runs twice, both times before any worker touches a process group: in the launcher
 (``python -m training.launcher``, what ``make train`` runs) before torchrun starts a worker,
-and at the start of every worker (training/launch.py), so plain ``torchrun`` fails fast too.
+and at the start of every worker (training/entry_point.py), so plain ``torchrun`` fails fast too.
 Reads only: headers, ``stat``s, the tokenizer; never the data or a tensor.
 """
 
@@ -27,8 +27,7 @@ from data.paths import check_directory
 from families import get_family
 from parallel.topology import TopologyError
 from training.config import Config, ConfigError, load_config
-from training.layout import check_layout
-from training.plan import ResumePlan, RunPlan
+from training.plan import ResumePlan, RunPlan, plan_parallel
 from training.resume_check import check_compatible, resume_plan
 from training.run_lock import run_lock_problem
 
@@ -79,7 +78,7 @@ def preflight(cfg: Config, world_size: int | None) -> RunPlan | None:
     elastic node range; the layout is then checked by each worker). Returns the run's plan
     (None without a world size), which the build takes as it is. Raises one of
     ``PREFLIGHT_ERRORS`` with a one-line message; writes nothing."""
-    plan = check_layout(cfg, world_size) if world_size is not None else None
+    plan = plan_parallel(cfg, world_size) if world_size is not None else None
     _check_directories(cfg)
     family = get_family(cfg.family)
     try:

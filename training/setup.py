@@ -25,9 +25,8 @@ from parallel.pipeline import PipelineEngine, PipelineLayout
 from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
 from training.config import Config, ConfigError
-from training.layout import check_layout
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
-from training.plan import RunPlan
+from training.plan import RunPlan, plan_parallel
 
 __all__ = [
     "RunState",
@@ -205,7 +204,7 @@ def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
     )
     topo = groups.topology
     if plan is None:
-        plan = check_layout(cfg, topo.world_size)
+        plan = plan_parallel(cfg, topo.world_size)
     elif plan.world_size != topo.world_size:
         raise ConfigError(
             f"config: planned for {plan.world_size} ranks, but WORLD_SIZE={topo.world_size}"
