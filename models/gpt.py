@@ -105,8 +105,9 @@ class GPTModel(ParallelModel):
 
     Module names (used by checkpoints and by ``fp8_stats``): ``word_embeddings``,
     ``position_embeddings`` (learned only), ``layers.{i}.{input_norm, attention.qkv,
-    attention.proj, post_attention_norm, mlp.fc1, mlp.fc2}``, ``final_norm``,
-    ``output_layer`` (untied only).
+    attention.proj, post_attention_norm, mlp.fc1, mlp.fc2}`` with the default layer spec (a
+    ``layer_spec`` of other sublayers names theirs), ``final_norm``, ``output_layer`` (untied
+    only).
 
     Pipeline parallelism (``pipeline``: this rank's ``PipelineLayout``): the module holds only
     this stage's layers (global names, see ``LayerDict``), the embeddings on the first stage,

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiproc import end_worker
 
+from fp8train.param_state import fp8_grad_slot
+
 LEVELS = ("te", "O2", "O3")
 
 
@@ -51,7 +53,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                 loss = model(tokens, labels=tokens).mean()
                 loss.backward()
             grads = [
-                p.main_grad.dequantize() if p.grad is None else p.grad for p in model.parameters()
+                fp8_grad_slot(p).dequantize() if p.grad is None else p.grad
+                for p in model.parameters()
             ]
             forward_gather = {
                 dtype: n for (name, _, dtype), n in meter.step_detail().items()

@@ -8,6 +8,7 @@ from torch import nn
 
 import fp8train
 from fp8train.low_precision import Fp8GradSlot
+from fp8train.param_state import fp8_grad_slot
 
 
 def _setup(seed=0, opt_cls=torch.optim.AdamW, **opt_kw):
@@ -49,12 +50,14 @@ def test_o2_storage_and_grad_slots():
     model, optimizer = fp8train.initialize(*_setup(), opt_level="O2")
     first = model[0]
     assert first.weight.dtype == torch.float16
-    assert isinstance(first.weight.main_grad, Fp8GradSlot)
+    slot = fp8_grad_slot(first.weight)
+    assert isinstance(slot, Fp8GradSlot)
+    assert first.weight.main_grad is slot  # Megatron's attribute, for outside code that reads it
     assert isinstance(optimizer, fp8train.LowBitAdamW)
     model(torch.randn(4, 32)).sum().backward()
-    assert first.weight.grad is None and first.weight.main_grad.has_data
+    assert first.weight.grad is None and slot.has_data
     optimizer.zero_grad()
-    assert not first.weight.main_grad.has_data
+    assert not slot.has_data
 
 
 @pytest.mark.parametrize(

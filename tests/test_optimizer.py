@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
+from fp8train.param_state import grad_slot
 from fp8train.precision import get_recipe
 from training.optimizer import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -57,7 +58,7 @@ def test_bf16_master_weights_follow_adamw_on_accumulated_fp32_grads():
         for micro in range(2):  # two micro-batches accumulate into the FP32 main_grad
             model(x[micro].bfloat16()).float().square().mean().backward()
             for acc, p in zip(bf16_grads, model.parameters()):
-                acc += p.main_grad.double() - acc  # main_grad holds the running FP32 sum
+                acc += grad_slot(p).double() - acc  # the slot holds the running FP32 sum
         assert all(p.grad is None for p in model.parameters())
         for r, g in zip(ref, bf16_grads):
             r.grad = g
