@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # annotations only: families sit below training/
 __all__ = [
     "HFImport",
     "LossSums",
+    "parameters_only",
     "section_values",
     "ModelFamily",
     "LOOP_METRICS",
@@ -47,7 +48,6 @@ __all__ = [
     "family_for_hf",
     "family_for_hf_directory",
     "read_hf_config",
-    "encoder_fields_from_hf",
     "DEFAULT_FAMILY",
 ]
 
@@ -71,6 +71,14 @@ def section_values(section: type, config: Any) -> dict:
     """The ``model`` section keys of ``section`` read off a built model ``config`` (the
     section's keys are the config's field names; a key the config lacks keeps its default)."""
     return {f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(section)}
+
+
+def parameters_only(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` without the FP8 scaling state (``checkpoint.format.is_model_parameter``):
+    what an export writes and an inference model loads."""
+    from checkpoint.format import is_model_parameter  # the format's names: no model code
+
+    return {name: value for name, value in tensors.items() if is_model_parameter(name)}
 
 
 _REGISTRY: dict[str, ModelFamily] = {}
@@ -120,36 +128,55 @@ class ModelFamily(ABC):
         ``config.model`` and ``model_structure``): what a reader builds to hold its tensors."""
         raise NotImplementedError(f"model family {self.name!r} cannot read its checkpoints yet")
 
+    # The family's Hugging Face adapter (a families.hf_adapter.HFAdapter instance: config and
+    # tensors both ways, directories, checkpoint export); None: the family has none, and
+    # ``import_hf``/``export_hf`` refuse. (Typed Any: the adapter module imports this one.)
+    hf_adapter: ClassVar[Any] = None
+
+    def _hf_adapter(self, what: str) -> Any:
+        if self.hf_adapter is None:
+            raise NotImplementedError(f"model family {self.name!r} has no Hugging Face {what} yet")
+        return self.hf_adapter
+
     def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
         """A Hugging Face model directory of one of ``hf_model_types`` as this family's model
-        (``HFImport``); the vocabulary, if any, padded to a multiple of ``divisible_by``."""
-        raise NotImplementedError(f"model family {self.name!r} has no Hugging Face import yet")
+        (``HFImport``, through ``hf_adapter``); the vocabulary, if any, padded to a multiple of
+        ``divisible_by``. The structure is ``checkpoint_structure``'s with what the directory's
+        config.json says (the true vocabulary, token ids, class names)."""
+        config, tensors, facts = self._hf_adapter("import").import_model(directory, divisible_by)
+        structure = {**self.checkpoint_structure(config), **facts}
+        section = section_values(self.model_section, config)
+        if "make_vocab_size_divisible_by" in section:
+            section["make_vocab_size_divisible_by"] = divisible_by
+        return HFImport(config, tensors, structure, section)
 
     def export_hf(self, checkpoint, directory):
         """Write training checkpoint ``checkpoint`` (any layout, any level) as a Hugging Face
-        model directory; returns the directory. Families without an export raise."""
-        raise NotImplementedError(f"model family {self.name!r} has no Hugging Face export yet")
+        model directory (through ``hf_adapter``); returns the directory. Families without an
+        adapter raise."""
+        return self._hf_adapter("export").export(checkpoint, directory, family=self)
 
     def checkpoint_model(self, checkpoint) -> tuple[JsonObject, Any, dict[str, torch.Tensor]]:
-        """What an export of training checkpoint ``checkpoint`` (any layout, any level) writes
-        out: its ``model_structure``, its model config (``config_from_checkpoint``) and its
-        parameters, full tensors from the canonical format (dequantized; FP8 scaling state
-        left out). A checkpoint of another family raises; a damaged one names its file."""
+        """What an inference model or an export of training checkpoint ``checkpoint`` (a
+        checkpoint directory, or a checkpoints directory with ``latest``; any layout, any
+        level) needs: its ``model_structure``, its model config (``config_from_checkpoint``)
+        and its parameters, full tensors from the canonical format (dequantized; FP8 scaling
+        state left out: ``parameters_only``). The format is checked first (version, every
+        model file present with its layout header: ``checkpoint.reshard.SourceCheckpoint``),
+        so a damaged checkpoint raises ``CheckpointError`` naming its file; one of another
+        family raises ``ValueError``."""
         from checkpoint.format import reassemble  # the format reader
-        from checkpoint.store import read_metadata
+        from checkpoint.reshard import SourceCheckpoint
+        from checkpoint.store import resolve_checkpoint
 
-        meta = read_metadata(checkpoint)
+        checkpoint = resolve_checkpoint(checkpoint)
+        meta = SourceCheckpoint(checkpoint, kinds=("model",)).metadata  # the format check
         structure = meta["model_structure"]
         found = structure.need("family", str, why="the model's family")
         if found != self.name:
             raise ValueError(f"{checkpoint} holds a {found!r} model, not {self.name}")
         config = self.config_from_checkpoint(meta)
-        params = {
-            name: value
-            for name, value in reassemble(checkpoint).items()
-            if ".fp8_" not in f".{name}" and "scale_inv" not in name
-        }
-        return structure, config, params
+        return structure, config, parameters_only(reassemble(checkpoint))
 
     def loader_workers(self, cfg) -> int:
         """Worker processes that build this run's batches (``data.sampler.micro_batches``);
@@ -286,31 +313,6 @@ def read_hf_config(directory) -> JsonObject:
     if not path.exists():
         raise ValueError(f"{path}: missing (not a Hugging Face model directory)")
     return read_json(path)
-
-
-# Hugging Face BERT-style hidden_act -> this project's activation (equal functions only).
-_ENCODER_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
-
-
-def encoder_fields_from_hf(hf: JsonObject, *, dropout: float, why: str) -> dict:
-    """The model fields that RoBERTa's and ViT's (BERT-style) ``config.json`` share, read
-    with ``JsonObject.need`` (``why``: who needs a missing key, for the message; ``dropout``:
-    both dropout probabilities' default). An activation without an equal here raises naming
-    the key."""
-    act = hf.need("hidden_act", str, "gelu")
-    if act not in _ENCODER_ACTIVATIONS:
-        raise ValueError(f"{hf.file} hidden_act={act!r}: not one of {sorted(_ENCODER_ACTIVATIONS)}")
-    return dict(
-        num_layers=hf.need("num_hidden_layers", int, why=why),
-        hidden_size=hf.need("hidden_size", int, why=why),
-        num_attention_heads=hf.need("num_attention_heads", int, why=why),
-        ffn_hidden_size=hf.need("intermediate_size", int, why=why),
-        norm_epsilon=hf.need("layer_norm_eps", float, 1e-12),
-        activation=_ENCODER_ACTIVATIONS[act],
-        hidden_dropout=hf.need("hidden_dropout_prob", float, dropout),
-        attention_dropout=hf.need("attention_probs_dropout_prob", float, dropout),
-        init_method_std=hf.need("initializer_range", float, 0.02),
-    )
 
 
 def family_for_hf_directory(directory) -> ModelFamily:

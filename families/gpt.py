@@ -19,8 +19,9 @@ from data.gpt_data import build_gpt_datasets
 from data.paths import check_directory
 from data.prepare import check_text_data, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
-from families.base import HFImport, LossSums, ModelFamily, section_values
+from families.base import LossSums, ModelFamily
 from families.config_fields import doc_field
+from families.gpt_hf import GPTHFAdapter
 from families.sections import TextTransformerSection
 from models.gpt import POSITION_EMBEDDING_TYPES, GPTConfig, GPTModel, pad_vocab_size
 
@@ -161,30 +162,14 @@ class GPTFamily(ModelFamily):
             "token_ids": _token_ids(data),
         }
 
-    hf_model_types = ("gpt2", "llama")
+    # GPT2LMHeadModel and LlamaForCausalLM (families/gpt_hf.py).
+    hf_adapter = GPTHFAdapter()
+    hf_model_types = GPTHFAdapter.model_types
 
     def config_from_checkpoint(self, metadata: dict) -> GPTConfig:
         structure = metadata["model_structure"]
         section = GPTModelSection(**metadata["config"]["model"])
         return section.resolved(vocab_size=structure["padded_vocab_size"])
-
-    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
-        """``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (families/gpt_hf.py)."""
-        from families.gpt_hf import import_directory
-
-        config, tensors, vocab, token_ids = import_directory(directory, divisible_by)
-        structure = {**self.checkpoint_structure(config), "vocab_size": vocab}
-        structure["token_ids"] = token_ids
-        section = section_values(GPTModelSection, config)
-        section["make_vocab_size_divisible_by"] = divisible_by
-        return HFImport(config, tensors, structure, section)
-
-    def export_hf(self, checkpoint, directory):
-        """GPT-2 style -> ``GPT2LMHeadModel``, Llama style -> ``LlamaForCausalLM``
-        (families/gpt_hf.py)."""
-        from families.gpt_hf import export_checkpoint
-
-        return export_checkpoint(checkpoint, directory)
 
 
 def _token_ids(data: GPTData | None) -> dict | None:

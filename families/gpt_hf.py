@@ -1,5 +1,7 @@
-"""Hugging Face adapter of the GPT family: ``GPT2LMHeadModel`` and ``LlamaForCausalLM``
-checkpoints (``config.json`` + safetensors) <-> ``models.gpt.GPTModel``'s single-process names.
+"""Hugging Face adapter of the GPT family (``GPTHFAdapter``): ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` checkpoints (``config.json`` + safetensors) <-> ``models.gpt.GPTModel``'s
+single-process names. What every family's adapter shares (directories, export, the grouped
+QKV layout, vocabulary padding) is families/hf_adapter.py's ``HFAdapter``.
 
 Files are read and written by their safetensors key names, which is what ``save_pretrained``
 writes in transformers 5 (checked against 5.23): ``transformer.wte.weight``,
@@ -17,10 +19,8 @@ Layout facts the adapter handles, and why:
 - GPT-2 stores its linear layers as ``Conv1D`` with weights ``[in, out]`` (``y = x W + b``);
   this project's ``Linear`` is ``[out, in]``: every GPT-2 GEMM weight is transposed.
 - GPT-2's ``c_attn`` is ``[q | k | v]`` along its output; Llama keeps ``q_proj``, ``k_proj``,
-  ``v_proj`` apart, with fewer key/value heads under GQA. This project fuses them grouped per
-  query group (models/transformer.py): for each group g, its r query heads, then k head g and
-  v head g. Hugging Face's GQA maps query head i to kv head ``i // r`` (``repeat_kv``), which
-  is exactly the head order of that grouping, so no head is permuted; GPT-2 is the case r = 1.
+  ``v_proj`` apart, with fewer key/value heads under GQA. Both are fused grouped per query
+  group (``HFAdapter.fuse_qkv``); GPT-2 is the case r = 1.
 - Llama's ``q_proj``/``k_proj`` rows are already in rotate-half RoPE order (Meta's weights are
   permuted by the Hugging Face conversion), the order ``models.transformer.apply_rotary``
   uses: no per-head permutation either.
@@ -28,9 +28,8 @@ Layout facts the adapter handles, and why:
   ``down_proj`` is ``fc2``, ``o_proj`` the attention ``proj``.
 - GELU: GPT-2's ``gelu_new`` (and its equal-valued variants) is the tanh approximation, this
   project's ``gelu``; Hugging Face's plain ``gelu`` is the exact erf one (``gelu_exact``).
-- The vocabulary: Hugging Face's is the tokenizer's, this project's is padded
-  (``make_vocab_size_divisible_by``, default 128): the embedding (and an untied head) gets
-  zero rows on import and loses them on export.
+- The vocabulary: the embedding (and an untied head) gets zero rows on import and loses them
+  on export (``HFAdapter.pad_rows``); the tokenizer's special ids travel in ``config.json``.
 - transformers 5 writes RoPE settings as ``rope_parameters`` (``rope_theta``, ``rope_type``);
   older files have a top-level ``rope_theta`` and ``rope_scaling``. Both are read; export
   writes both, so transformers 4 readers find ``rope_theta`` too. Only unscaled RoPE
@@ -43,32 +42,19 @@ Layout facts the adapter handles, and why:
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
 
-from families.base import read_hf_config
+from checkpoint.format import is_model_parameter
+from families.hf_adapter import HFAdapter
 from models.gpt import GPTConfig, pad_vocab_size
 
 if TYPE_CHECKING:
     from checkpoint.format import JsonObject
 
-__all__ = [
-    "config_from_hf",
-    "config_to_hf",
-    "export_checkpoint",
-    "fuse_grouped_qkv",
-    "hf_style",
-    "load_hf",
-    "save_hf",
-    "split_grouped_qkv",
-    "state_from_hf",
-    "state_to_hf",
-]
+__all__ = ["GPTHFAdapter"]
 
 # GPT-2 activation_function -> this project's activation (equal functions only).
 _GELU = {
@@ -113,32 +99,6 @@ _TOP = {
 _BUFFERS = {"gpt2": ("attn.bias", "attn.masked_bias"), "llama": ("self_attn.rotary_emb.inv_freq",)}
 _TOP_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 _LAYER_KEY = {"gpt2": re.compile(r"h\.(\d+)\.(.+)$"), "llama": re.compile(r"layers\.(\d+)\.(.+)$")}
-
-
-# ---------------------------------------------------------------------------------------------
-# Grouped QKV (models/transformer.py): [G x (r q-heads, k, v) x d] rows
-
-
-def fuse_grouped_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int
-) -> torch.Tensor:
-    """``q`` ``[H*d, ...]``, ``k`` and ``v`` ``[G*d, ...]`` (weights or biases) -> the fused
-    ``[G*(r+2)*d, ...]`` tensor grouped per query group, r = H / G."""
-    rest = q.shape[1:]
-    d = k.shape[0] // groups
-    parts = (q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest))
-    return torch.cat(parts, 1).reshape(-1, *rest)
-
-
-def split_grouped_qkv(
-    qkv: torch.Tensor, groups: int, heads_per_group: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``fuse_grouped_qkv``: ``(q [H*d, ...], k [G*d, ...], v [G*d, ...])``."""
-    rest = qkv.shape[1:]
-    r = heads_per_group
-    d = qkv.shape[0] // (groups * (r + 2))
-    q, k, v = qkv.reshape(groups, (r + 2) * d, *rest).split([r * d, d, d], 1)
-    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,299 +195,247 @@ def _llama_fields(hf: JsonObject) -> dict:
     )
 
 
-def config_from_hf(hf: dict, padded_vocab_size: int | None = None, **overrides) -> GPTConfig:
-    """A ``GPTConfig`` from a ``config.json`` dict of model_type "gpt2" or "llama".
-
-    ``padded_vocab_size`` defaults to the checkpoint's vocabulary padded to a multiple of 128;
-    ``seq_length`` to the checkpoint's maximum positions; ``overrides`` (any ``GPTConfig``
-    field) win. Settings this project cannot reproduce raise a ``ValueError`` naming the key;
-    a key it needs and the dict lacks, or a value of the wrong type, a ``CheckpointError``
-    naming the file (``read_hf_config``'s; "config.json" for a dict made in memory) and key.
-    """
-    from checkpoint.format import JsonObject  # the format reader: no model code
-
-    hf = JsonObject.wrap(hf, "config.json")
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        fields = _gpt2_fields(hf)
-    elif kind == "llama":
-        fields = _llama_fields(hf)
-    else:
-        raise _refuse(hf, "model_type", kind, "choose 'gpt2' or 'llama'")
-    fields["vocab_size"] = padded_vocab_size or pad_vocab_size(_vocab_size(hf), 128)
-    fields.update(overrides)
-    return GPTConfig(**fields)
-
-
 def _vocab_size(hf: JsonObject) -> int:
     return hf.need("vocab_size", int, why="a GPT-2 or Llama config needs it")
 
 
-def hf_style(config: GPTConfig) -> str:
-    """The Hugging Face style of this architecture, "gpt2" or "llama"; any other raises."""
-    c = config
-    if c.norm_position != "pre":
-        raise ValueError(f"model.norm_position={c.norm_position!r}: GPT-2 and Llama are pre-LN")
-    if (c.position_embedding_type, c.normalization, c.activation) == ("rope", "RMSNorm", "swiglu"):
-        return "llama"
-    if (c.position_embedding_type, c.normalization) == ("learned_absolute", "LayerNorm") and (
-        c.activation in ("gelu", "gelu_exact")
-    ):
-        if not c.add_bias_linear:
-            raise ValueError("model.add_bias_linear=false: GPT-2's linear layers have biases")
-        if c.num_query_groups != c.num_attention_heads:
-            raise ValueError("model.num_query_groups: GPT-2 has no grouped-query attention")
-        if c.kv_channels * c.num_attention_heads != c.hidden_size:
-            raise ValueError("model.kv_channels: GPT-2's heads are hidden_size / heads wide")
-        return "gpt2"
-    raise ValueError(
-        "no Hugging Face class for position_embedding_type="
-        f"{c.position_embedding_type!r}, normalization={c.normalization!r}, "
-        f"activation={c.activation!r}: GPT-2 is learned_absolute + LayerNorm + gelu, "
-        "Llama is rope + RMSNorm + swiglu"
-    )
-
-
-def config_to_hf(config: GPTConfig, vocab_size: int, token_ids: dict | None = None) -> dict:
-    """The ``config.json`` fields of ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` for this
-    model and the true (unpadded) ``vocab_size``. ``token_ids``: optional
-    ``bos_token_id``/``eos_token_id``/``pad_token_id`` of the tokenizer (unknown ids are
-    written as null rather than the Hugging Face class defaults, which belong to other
-    vocabularies)."""
-    c = config
-    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(token_ids or {})}
-    tied = not c.untie_embeddings_and_output_weights
-    if hf_style(c) == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": vocab_size, "n_embd": c.hidden_size, "n_layer": c.num_layers,
-            "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size,
-            "n_positions": c.max_position_embeddings,
-            "activation_function": "gelu_new" if c.activation == "gelu" else "gelu",
-            "layer_norm_epsilon": c.norm_epsilon, "resid_pdrop": c.hidden_dropout,
-            "embd_pdrop": c.hidden_dropout, "attn_pdrop": c.attention_dropout,
-            "initializer_range": c.init_method_std, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": tied, **ids,
-        }  # fmt: skip
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_query_groups, "head_dim": c.kv_channels,
-        "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.norm_epsilon,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rotary_base},
-        "rope_theta": c.rotary_base, "attention_bias": c.add_bias_linear,
-        "mlp_bias": c.add_bias_linear, "attention_dropout": c.attention_dropout,
-        "initializer_range": c.init_method_std, "tie_word_embeddings": tied, **ids,
-    }  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensors
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] > rows:
-        raise ValueError(f"vocabulary of {t.shape[0]} rows does not fit {rows}")
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _no_place(key: str) -> KeyError:
     return KeyError(f"Hugging Face tensor {key!r} has no place in GPTModel")
 
 
-def state_from_hf(hf: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (safetensors key names) -> this project's single-process
-    parameters: Conv1D weights transposed (GPT-2), QKV fused per query group, gate/up stacked
-    into fc1 (Llama), the vocabulary padded with zero rows. Unknown keys raise naming the key.
-    """
-    style = hf_style(config)
-    prefix, top, buffers = _PREFIX[style], _TOP[style], _BUFFERS[style]
-    tied = not config.untie_embeddings_and_output_weights
-    biases = config.add_bias_linear
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused name -> HF pieces by role
-    for key, value in hf.items():
-        if key == "lm_head.weight":
-            if not tied:  # a tied head's copy (some files store it) is the embedding
-                out["output_layer.weight"] = value
-            continue
-        local = key.removeprefix(prefix)
-        if local in _TOP_BUFFERS:
-            continue
-        if local in top:
-            out[top[local]] = value
-            continue
-        m = _LAYER_KEY[style].match(local)
-        if m is None:
-            raise _no_place(key)
-        layer, rest = m.groups()
-        if rest in buffers:
-            continue
-        module, _, kind = rest.rpartition(".")
-        if kind not in ("weight", "bias") or (
-            kind == "bias" and style == "llama" and (not biases or "layernorm" in module)
-        ):  # Llama's norms never have biases, its GEMMs only with attention/mlp_bias
-            raise _no_place(key)
-        ours = f"layers.{layer}"
-        table = _GPT2_LAYER if style == "gpt2" else _LLAMA_LAYER
-        match = [(o, t) for h, o, t in table if h == module]
-        if match:
-            name, transpose = match[0]
-            out[f"{ours}.{name}.{kind}"] = value.t() if transpose and kind == "weight" else value
-        elif style == "gpt2" and module == "attn.c_attn":
-            value = value.t() if kind == "weight" else value
-            parts[f"{ours}.attention.qkv.{kind}"] = dict(zip("qkv", value.chunk(3)))
-        elif style == "llama" and module in _LLAMA_FUSED:
-            target, role = _LLAMA_FUSED[module]
-            parts.setdefault(f"{ours}.{target}.{kind}", {})[role] = value
-        else:
-            raise _no_place(key)
-    for name, piece in parts.items():
-        if name.endswith((".fc1.weight", ".fc1.bias")):
-            if set(piece) != {"gate", "up"}:
-                raise KeyError(f"{name}: Hugging Face gate_proj or up_proj tensor missing")
-            out[name] = torch.cat([piece["gate"], piece["up"]])
-            continue
-        if set(piece) != set("qkv"):
-            raise KeyError(f"{name}: Hugging Face q, k or v tensor missing (have {sorted(piece)})")
-        out[name] = fuse_grouped_qkv(piece["q"], piece["k"], piece["v"], config.num_query_groups)
-    for name in _VOCAB_ROWS:
-        if name in out:
-            out[name] = _pad_rows(out[name], config.vocab_size)
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def state_to_hf(
-    state: dict[str, torch.Tensor], config: GPTConfig, vocab_size: int
-) -> dict[str, torch.Tensor]:
-    """Inverse of ``state_from_hf`` (keys as ``save_pretrained`` writes them), the vocabulary
-    cut to ``vocab_size`` rows. Entries that are not parameters (FP8 scaling state, scales)
-    are left out; a parameter with no Hugging Face place raises naming it."""
-    style = hf_style(config)
-    prefix = _PREFIX[style]
-    top = {v: k for k, v in _TOP[style].items()}
-    table = {o: (h, t) for h, o, t in (_GPT2_LAYER if style == "gpt2" else _LLAMA_LAYER)}
-    layer_key = "h" if style == "gpt2" else "layers"
-    groups = config.num_query_groups
-    per_group = config.num_attention_heads // groups
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        module, _, kind = name.rpartition(".")
-        if kind not in ("weight", "bias") or ".fp8_" in f".{name}":
-            continue  # FP8 scaling state and other buffers have no Hugging Face counterpart
-        if name in _VOCAB_ROWS:
-            value = value[:vocab_size]
-        if name == "output_layer.weight":
-            if not config.untie_embeddings_and_output_weights:
-                raise _no_place_ours(name, "the config ties the head to the embedding")
-            out["lm_head.weight"] = value
-            continue
-        if name in top:
-            out[prefix + top[name]] = value
-            continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
-        if m is None:
-            raise _no_place_ours(name, "unknown module")
-        layer, sub = m.groups()
-        base = f"{prefix}{layer_key}.{layer}"
-        if sub in table:
-            hf_name, transpose = table[sub]
-            out[f"{base}.{hf_name}.{kind}"] = value.t() if transpose and kind == "weight" else value
-        elif sub == "attention.qkv":
-            q, k, v = split_grouped_qkv(value, groups, per_group)
-            if style == "gpt2":
-                fused = torch.cat([q, k, v])
-                out[f"{base}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
-            else:
-                for role, t in zip("qkv", (q, k, v)):
-                    out[f"{base}.self_attn.{role}_proj.{kind}"] = t
-        elif sub == "mlp.fc1" and style == "llama":
-            gate, up = value.chunk(2)
-            out[f"{base}.mlp.gate_proj.{kind}"] = gate
-            out[f"{base}.mlp.up_proj.{kind}"] = up
-        else:
-            raise _no_place_ours(name, "unknown module")
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 def _no_place_ours(name: str, why: str) -> KeyError:
     return KeyError(f"parameter {name!r} has no place in the Hugging Face model ({why})")
 
 
-# ---------------------------------------------------------------------------------------------
-# Directories
+class GPTHFAdapter(HFAdapter):
+    """``GPT2LMHeadModel`` / ``LlamaForCausalLM`` <-> ``GPTModel`` (module doc). The extra
+    facts of ``save``/``config_to_hf``/``state_to_hf``: ``vocab_size`` (the true vocabulary)
+    and, for the config only, the tokenizer's ``token_ids``."""
 
+    family = "gpt"
+    model_types = ("gpt2", "llama")
 
-def save_hf(
-    directory: str | Path,
-    state: dict,
-    config: GPTConfig,
-    vocab_size: int,
-    token_ids: dict | None = None,
-) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel`` /
-    ``LlamaForCausalLM.from_pretrained`` loads, from this project's single-process parameters
-    (written as FP32)."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: v.detach().float().cpu() for k, v in state_to_hf(state, config, vocab_size).items()
-    }
-    hf_config = config_to_hf(config, vocab_size, token_ids)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    def config_from_hf(
+        self, hf: dict, padded_vocab_size: int | None = None, **overrides
+    ) -> GPTConfig:
+        """A ``GPTConfig`` from a ``config.json`` dict of model_type "gpt2" or "llama".
 
+        ``padded_vocab_size`` defaults to the checkpoint's vocabulary padded to a multiple of
+        128; ``seq_length`` to the checkpoint's maximum positions; ``overrides`` (any
+        ``GPTConfig`` field) win. Errors as ``HFAdapter.config_from_hf``'s.
+        """
+        from checkpoint.format import JsonObject  # the format reader: no model code
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists; a
-    missing or damaged file raises ``CheckpointError`` naming it."""
-    from checkpoint.format import CheckpointError, load_safetensors, read_json
+        hf = JsonObject.wrap(hf, "config.json")
+        kind = hf.get("model_type")
+        if kind == "gpt2":
+            fields = _gpt2_fields(hf)
+        elif kind == "llama":
+            fields = _llama_fields(hf)
+        else:
+            raise _refuse(hf, "model_type", kind, "choose 'gpt2' or 'llama'")
+        fields["vocab_size"] = padded_vocab_size or pad_vocab_size(_vocab_size(hf), 128)
+        fields.update(overrides)
+        return GPTConfig(**fields)
 
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
-        return load_safetensors(path / "model.safetensors")
-    weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: no 'weight_map' of tensor names to shard files")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors.update(load_safetensors(path / shard))
-    return tensors
+    @staticmethod
+    def hf_style(config: GPTConfig) -> str:
+        """The Hugging Face style of this architecture, "gpt2" or "llama"; any other raises."""
+        c = config
+        if c.norm_position != "pre":
+            raise ValueError(f"model.norm_position={c.norm_position!r}: GPT-2 and Llama are pre-LN")
+        if (c.position_embedding_type, c.normalization, c.activation) == (
+            "rope", "RMSNorm", "swiglu",
+        ):  # fmt: skip
+            return "llama"
+        if (c.position_embedding_type, c.normalization) == ("learned_absolute", "LayerNorm") and (
+            c.activation in ("gelu", "gelu_exact")
+        ):
+            if not c.add_bias_linear:
+                raise ValueError("model.add_bias_linear=false: GPT-2's linear layers have biases")
+            if c.num_query_groups != c.num_attention_heads:
+                raise ValueError("model.num_query_groups: GPT-2 has no grouped-query attention")
+            if c.kv_channels * c.num_attention_heads != c.hidden_size:
+                raise ValueError("model.kv_channels: GPT-2's heads are hidden_size / heads wide")
+            return "gpt2"
+        raise ValueError(
+            "no Hugging Face class for position_embedding_type="
+            f"{c.position_embedding_type!r}, normalization={c.normalization!r}, "
+            f"activation={c.activation!r}: GPT-2 is learned_absolute + LayerNorm + gelu, "
+            "Llama is rope + RMSNorm + swiglu"
+        )
 
+    def config_to_hf(
+        self, config: GPTConfig, vocab_size: int, token_ids: dict | None = None
+    ) -> dict:
+        """The ``config.json`` fields of ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` for this
+        model and the true (unpadded) ``vocab_size``. ``token_ids``: optional
+        ``bos_token_id``/``eos_token_id``/``pad_token_id`` of the tokenizer (unknown ids are
+        written as null rather than the Hugging Face class defaults, which belong to other
+        vocabularies)."""
+        c = config
+        ids = {k: None for k in _TOKEN_IDS} | (token_ids or {})
+        tied = not c.untie_embeddings_and_output_weights
+        if self.hf_style(c) == "gpt2":
+            return {
+                "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "vocab_size": vocab_size, "n_embd": c.hidden_size, "n_layer": c.num_layers,
+                "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size,
+                "n_positions": c.max_position_embeddings,
+                "activation_function": "gelu_new" if c.activation == "gelu" else "gelu",
+                "layer_norm_epsilon": c.norm_epsilon, "resid_pdrop": c.hidden_dropout,
+                "embd_pdrop": c.hidden_dropout, "attn_pdrop": c.attention_dropout,
+                "initializer_range": c.init_method_std, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "tie_word_embeddings": tied, **ids,
+            }  # fmt: skip
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_query_groups, "head_dim": c.kv_channels,
+            "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.norm_epsilon,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rotary_base},
+            "rope_theta": c.rotary_base, "attention_bias": c.add_bias_linear,
+            "mlp_bias": c.add_bias_linear, "attention_dropout": c.attention_dropout,
+            "initializer_range": c.init_method_std, "tie_word_embeddings": tied, **ids,
+        }  # fmt: skip
 
-def load_hf(directory: str | Path, padded_vocab_size: int | None = None, **overrides):
-    """``(GPTConfig, parameters)`` from a Hugging Face ``GPT2LMHeadModel`` or
-    ``LlamaForCausalLM`` directory (``overrides``: ``GPTConfig`` fields, e.g. seq_length)."""
-    path = Path(directory)
-    hf = read_hf_config(path)
-    config = config_from_hf(hf, padded_vocab_size, **overrides)
-    return config, state_from_hf(_read_tensors(path), config)
+    def state_from_hf(self, hf: dict[str, torch.Tensor], config: GPTConfig) -> dict:
+        """Hugging Face tensors (safetensors key names) -> this project's single-process
+        parameters: Conv1D weights transposed (GPT-2), QKV fused per query group, gate/up
+        stacked into fc1 (Llama), the vocabulary padded with zero rows. Unknown keys raise
+        naming the key."""
+        style = self.hf_style(config)
+        prefix, top, buffers = _PREFIX[style], _TOP[style], _BUFFERS[style]
+        tied = not config.untie_embeddings_and_output_weights
+        biases = config.add_bias_linear
+        out: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # our fused name -> HF pieces by role
+        for key, value in hf.items():
+            if key == "lm_head.weight":
+                if not tied:  # a tied head's copy (some files store it) is the embedding
+                    out["output_layer.weight"] = value
+                continue
+            local = key.removeprefix(prefix)
+            if local in _TOP_BUFFERS:
+                continue
+            if local in top:
+                out[top[local]] = value
+                continue
+            m = _LAYER_KEY[style].match(local)
+            if m is None:
+                raise _no_place(key)
+            layer, rest = m.groups()
+            if rest in buffers:
+                continue
+            module, _, kind = rest.rpartition(".")
+            if kind not in ("weight", "bias") or (
+                kind == "bias" and style == "llama" and (not biases or "layernorm" in module)
+            ):  # Llama's norms never have biases, its GEMMs only with attention/mlp_bias
+                raise _no_place(key)
+            ours = f"layers.{layer}"
+            table = _GPT2_LAYER if style == "gpt2" else _LLAMA_LAYER
+            match = [(o, t) for h, o, t in table if h == module]
+            if match:
+                name, transpose = match[0]
+                out[f"{ours}.{name}.{kind}"] = (
+                    value.t() if transpose and kind == "weight" else value
+                )
+            elif style == "gpt2" and module == "attn.c_attn":
+                value = value.t() if kind == "weight" else value
+                parts[f"{ours}.attention.qkv.{kind}"] = dict(zip("qkv", value.chunk(3)))
+            elif style == "llama" and module in _LLAMA_FUSED:
+                target, role = _LLAMA_FUSED[module]
+                parts.setdefault(f"{ours}.{target}.{kind}", {})[role] = value
+            else:
+                raise _no_place(key)
+        gate_up = {n: p for n, p in parts.items() if n.endswith((".fc1.weight", ".fc1.bias"))}
+        for name, piece in gate_up.items():
+            if set(piece) != {"gate", "up"}:
+                raise KeyError(f"{name}: Hugging Face gate_proj or up_proj tensor missing")
+            out[name] = torch.cat([piece["gate"], piece["up"]])
+        qkv = {n: p for n, p in parts.items() if n not in gate_up}
+        out.update(self.fuse_qkv_pieces(qkv, config.num_query_groups, ("q", "k", "v")))
+        for name in _VOCAB_ROWS:
+            if name in out:
+                out[name] = self.pad_rows(out[name], config.vocab_size)
+        return {k: v.contiguous() for k, v in out.items()}
 
+    def state_to_hf(
+        self,
+        state: dict[str, torch.Tensor],
+        config: GPTConfig,
+        vocab_size: int,
+        token_ids: dict | None = None,  # the config's only (save passes every extra fact)
+    ) -> dict[str, torch.Tensor]:
+        """Inverse of ``state_from_hf`` (keys as ``save_pretrained`` writes them), the
+        vocabulary cut to ``vocab_size`` rows. Entries that are not parameters (FP8 scaling
+        state, scales) are left out; a parameter with no Hugging Face place raises naming
+        it."""
+        style = self.hf_style(config)
+        prefix = _PREFIX[style]
+        top = {v: k for k, v in _TOP[style].items()}
+        table = {o: (h, t) for h, o, t in (_GPT2_LAYER if style == "gpt2" else _LLAMA_LAYER)}
+        layer_key = "h" if style == "gpt2" else "layers"
+        groups = config.num_query_groups
+        per_group = config.num_attention_heads // groups
+        out: dict[str, torch.Tensor] = {}
+        for name, value in state.items():
+            module, _, kind = name.rpartition(".")
+            if kind not in ("weight", "bias") or not is_model_parameter(name):
+                continue  # FP8 scaling state and other buffers have no Hugging Face counterpart
+            if name in _VOCAB_ROWS:
+                value = value[:vocab_size]
+            if name == "output_layer.weight":
+                if not config.untie_embeddings_and_output_weights:
+                    raise _no_place_ours(name, "the config ties the head to the embedding")
+                out["lm_head.weight"] = value
+                continue
+            if name in top:
+                out[prefix + top[name]] = value
+                continue
+            m = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
+            if m is None:
+                raise _no_place_ours(name, "unknown module")
+            layer, sub = m.groups()
+            base = f"{prefix}{layer_key}.{layer}"
+            if sub in table:
+                hf_name, transpose = table[sub]
+                t = value.t() if transpose and kind == "weight" else value
+                out[f"{base}.{hf_name}.{kind}"] = t
+            elif sub == "attention.qkv":
+                q, k, v = self.split_qkv(value, groups, per_group)
+                if style == "gpt2":
+                    fused = torch.cat([q, k, v])
+                    out[f"{base}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
+                else:
+                    for role, t in zip("qkv", (q, k, v)):
+                        out[f"{base}.self_attn.{role}_proj.{kind}"] = t
+            elif sub == "mlp.fc1" and style == "llama":
+                gate, up = value.chunk(2)
+                out[f"{base}.mlp.gate_proj.{kind}"] = gate
+                out[f"{base}.mlp.up_proj.{kind}"] = up
+            else:
+                raise _no_place_ours(name, "unknown module")
+        return {k: v.contiguous() for k, v in out.items()}
 
-def import_directory(directory: str | Path, divisible_by: int = 128):
-    """``(GPTConfig, parameters, true vocabulary size, token ids)`` of a Hugging Face GPT-2 or
-    Llama directory, its vocabulary padded to a multiple of ``divisible_by`` (zero rows)."""
-    hf = read_hf_config(directory)
-    vocab = _vocab_size(hf)
-    config, tensors = load_hf(directory, pad_vocab_size(vocab, divisible_by))
-    ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    ids = {k: v if isinstance(v, int) else None for k, v in ids.items()}
-    return config, tensors, vocab, ids
+    def import_config(self, hf: JsonObject, divisible_by: int) -> tuple[GPTConfig, dict]:
+        """The true vocabulary padded to a multiple of ``divisible_by``; the facts: the true
+        ``vocab_size`` and the ``token_ids`` config.json gives (null where it gives none)."""
+        vocab = _vocab_size(hf)
+        ids = {k: hf.get(k) for k in _TOKEN_IDS}
+        ids = {k: v if isinstance(v, int) else None for k, v in ids.items()}
+        config = self.config_from_hf(hf, pad_vocab_size(vocab, divisible_by))
+        return config, {"vocab_size": vocab, "token_ids": ids}
 
-
-def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
-    """A training checkpoint of the GPT family (any parallel layout, any level) as a Hugging
-    Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM``: full tensors from the canonical format
-    (dequantized), the model config from the checkpoint's own config and ``model_structure``.
-    """
-    from families.base import get_family  # the registry: this module is the family's adapter
-
-    structure, config, params = get_family("gpt").checkpoint_model(checkpoint)
-    if structure.get("vocab_size") is None:
-        raise ValueError(f"{checkpoint}: model_structure has no vocab_size (the true vocabulary)")
-    return save_hf(directory, params, config, structure["vocab_size"], structure.get("token_ids"))
+    def export_extra(self, structure: JsonObject) -> dict:
+        return {
+            "vocab_size": self.true_vocab_size(structure),
+            "token_ids": structure.get("token_ids"),
+        }

@@ -1,7 +1,7 @@
 """One model from any checkpoint, for inference: ``load_pretrained``.
 
 A native checkpoint (any parallel layout, any precision level) is read through the canonical
-format (checkpoint/format.py: full tensors, scaled FP16/FP8 storage dequantized to
+format (``ModelFamily.checkpoint_model``: full tensors, scaled FP16/FP8 storage dequantized to
 FP32); a Hugging Face directory through its family's adapter (``ModelFamily.import_hf``).
 Either way the model is built once, single-process, with plain FP32 linears, and loaded
 strictly: a tensor the model lacks, or one it misses, raises naming it.
@@ -21,9 +21,9 @@ __all__ = ["LogitsOf", "load_pretrained", "read_pretrained"]
 def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, torch.Tensor]]:
     """``(family, model config, single-process tensors)`` of a native checkpoint (an
     ``iter_*`` directory, or a checkpoints directory with ``latest``) or a Hugging Face
-    directory (``config.json`` + safetensors). FP8 scaling state is left out."""
-    from checkpoint.format import reassemble  # the format reader: no model code
-    from checkpoint.store import check_format, read_metadata, resolve_checkpoint
+    directory (``config.json`` + safetensors). FP8 scaling state is left out; a damaged
+    checkpoint raises naming its file (``ModelFamily.checkpoint_model``)."""
+    from checkpoint.store import read_metadata, resolve_checkpoint
 
     path = Path(path)
     if (path / "config.json").exists():
@@ -31,15 +31,8 @@ def read_pretrained(path: str | Path) -> tuple[ModelFamily, object, dict[str, to
         imported = family.import_hf(path)
         return family, imported.config, imported.tensors
     checkpoint = resolve_checkpoint(path)
-    metadata = read_metadata(checkpoint)
-    check_format(checkpoint, metadata)
-    family = checkpoint_family(metadata)
-    config = family.config_from_checkpoint(metadata)
-    tensors = {
-        name: value
-        for name, value in reassemble(checkpoint).items()
-        if ".fp8_" not in f".{name}" and not name.endswith("_scale_inv")
-    }
+    family = checkpoint_family(read_metadata(checkpoint))
+    _, config, tensors = family.checkpoint_model(checkpoint)
     return family, config, tensors
 
 

@@ -1,5 +1,4 @@
-"""The ViT family: image classification with ``models.vit.ViTModel``, and its Hugging Face
-state-dict adapter.
+"""The ViT family: image classification with ``models.vit.ViTModel``.
 
 Data: ``data.image_data`` (the bundled digits by default, an image folder or a packed set),
 split per class, seeded resume-exact augmentation; normalisation statistics measured on the
@@ -13,55 +12,27 @@ tokens, C p^2 values per patch and K classes:
 bidirectional attention (``layer_flops_per_step(causal=False)``), the patch embedding and the
 classifier. Sequence-parallel padding rows are not counted (they are not model work).
 
-``ViTForImageClassification`` checkpoints (``config.json`` + ``model.safetensors``) map onto the
-single-process names in both directions: Hugging Face's ``Conv2d`` patch projection
-``[h, C, p, p]`` is ``patch_embedding.weight`` ``[h, C p^2]`` (same values, flattened), its
-``cls_token`` ``[1, 1, h]`` and ``position_embeddings`` ``[1, s, h]`` drop the leading ones, and
-Q, K, V are fused per head (families/hf_qkv.py). Importing at another ``image_size``
-interpolates the position embeddings (``models.vit.interpolate_position_embeddings``).
+Hugging Face ``ViTForImageClassification`` import and export: families/vit_hf.py
+(``ViTFamily.hf_adapter``).
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from families.base import (
-    HFImport,
-    LossSums,
-    ModelFamily,
-    encoder_fields_from_hf,
-    read_hf_config,
-    section_values,
-)
+from families.base import LossSums, ModelFamily
 from families.config_fields import doc_field
 from families.data_sections import ImageDataSection
-from families.hf_qkv import fuse_qkv, split_qkv
 from families.sections import TransformerSection
+from families.vit_hf import ViTHFAdapter
 from models.transformer import ACTIVATIONS
-from models.vit import ViTConfig, ViTModel, interpolate_position_embeddings
+from models.vit import ViTConfig, ViTModel
 
-if TYPE_CHECKING:
-    from checkpoint.format import JsonObject
-
-__all__ = [
-    "ViTModelSection",
-    "ViTFamily",
-    "config_from_hf",
-    "config_to_hf",
-    "state_from_hf",
-    "state_to_hf",
-    "save_hf",
-    "load_hf",
-    "export_checkpoint",
-]
+__all__ = ["ViTData", "ViTFamily", "ViTModelSection"]
 
 
 @dataclass(frozen=True)
@@ -192,7 +163,8 @@ class ViTFamily(ModelFamily):
         return cfg.data.num_workers
 
     logits_output = "logits"
-    hf_model_types = ("vit",)
+    hf_adapter = ViTHFAdapter()
+    hf_model_types = ViTHFAdapter.model_types
 
     def config_from_checkpoint(self, metadata: dict) -> ViTConfig:
         structure = metadata["model_structure"]
@@ -200,19 +172,6 @@ class ViTFamily(ModelFamily):
         return section.resolved(
             num_classes=structure["num_classes"], num_channels=structure["num_channels"]
         )
-
-    def import_hf(self, directory, divisible_by: int = 128) -> HFImport:
-        """``ViTForImageClassification`` (no vocabulary: ``divisible_by`` is unused); the
-        class names come from its ``id2label``."""
-        config, tensors = load_hf(directory)
-        labels = _labels(read_hf_config(directory))
-        classes = [labels.get(str(i), labels.get(i)) for i in range(config.num_classes)]
-        structure = self.checkpoint_structure(config)
-        structure["classes"] = classes if all(c is not None for c in classes) else None
-        return HFImport(config, tensors, structure, section_values(ViTModelSection, config))
-
-    def export_hf(self, checkpoint, directory):
-        return export_checkpoint(checkpoint, directory)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"images": batch["images"]}
@@ -242,166 +201,3 @@ class ViTFamily(ModelFamily):
             "mean": list(data.mean) if data is not None else None,
             "std": list(data.std) if data is not None else None,
         }
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face ViTForImageClassification
-
-_LAYER = {  # Hugging Face module (layer index as {i}) -> this project's single-process name
-    "layernorm_before": "input_norm",
-    "attention.output.dense": "attention.proj",
-    "layernorm_after": "post_attention_norm",
-    "intermediate.dense": "mlp.fc1",
-    "output.dense": "mlp.fc2",
-}
-_TOP = {
-    "vit.embeddings.patch_embeddings.projection.bias": "patch_embedding.bias",
-    "vit.layernorm.weight": "final_norm.weight",
-    "vit.layernorm.bias": "final_norm.bias",
-    "classifier.weight": "classifier.weight",
-    "classifier.bias": "classifier.bias",
-}
-_LAYER_KEY = re.compile(r"vit\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def _labels(hf: JsonObject) -> dict:
-    return hf.need("id2label", (dict, None), None) or {}
-
-
-def config_from_hf(hf: dict, **overrides) -> ViTConfig:
-    """A ``ViTConfig`` from a Hugging Face ``config.json`` dict. A key it needs and the dict
-    lacks, or a value of the wrong type, raises ``CheckpointError`` naming the file and the
-    key."""
-    from checkpoint.format import JsonObject  # the format reader: no model code
-
-    hf = JsonObject.wrap(hf, "config.json")
-    if not hf.need("qkv_bias", bool, True):
-        raise ValueError(f"{hf.file} qkv_bias=false: this project's ViT has QKV biases")
-    fields = dict(
-        **encoder_fields_from_hf(hf, dropout=0.0, why="a ViT config needs it"),
-        image_size=hf.need("image_size", int, 224),
-        patch_size=hf.need("patch_size", int, 16),
-        num_channels=hf.need("num_channels", int, 3),
-        num_classes=hf.need("num_labels", (int, None), None) or len(_labels(hf)) or 2,
-    )
-    fields.update(overrides)
-    return ViTConfig(**fields)
-
-
-def config_to_hf(config: ViTConfig, classes: list[str] | None = None) -> dict:
-    """The ``config.json`` fields of ``ViTForImageClassification`` for this model."""
-    if config.activation == "swiglu" or not config.add_bias_linear:
-        raise ValueError("Hugging Face ViT has a GELU MLP and biases")
-    act = "gelu" if config.activation == "gelu_exact" else "gelu_new"
-    names = classes or [str(i) for i in range(config.num_classes)]
-    return {
-        "architectures": ["ViTForImageClassification"],
-        "model_type": "vit",
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "intermediate_size": config.ffn_hidden_size,
-        "hidden_act": act,
-        "hidden_dropout_prob": config.hidden_dropout,
-        "attention_probs_dropout_prob": config.attention_dropout,
-        "initializer_range": config.init_method_std,
-        "layer_norm_eps": config.norm_epsilon,
-        "image_size": config.image_size,
-        "patch_size": config.patch_size,
-        "num_channels": config.num_channels,
-        "qkv_bias": True,
-        "id2label": {str(i): n for i, n in enumerate(names)},
-        "label2id": {n: i for i, n in enumerate(names)},
-    }
-
-
-def state_from_hf(hf: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors -> this project's single-process parameters; the position table
-    is interpolated when ``config.image_size`` gives another patch grid. Unknown keys raise
-    naming the key."""
-    out: dict[str, torch.Tensor] = {}
-    qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, value in hf.items():
-        if key in _TOP:
-            out[_TOP[key]] = value
-        elif key == "vit.embeddings.cls_token":
-            out["class_token.weight"] = value.reshape(-1)
-        elif key == "vit.embeddings.position_embeddings":
-            table = value.reshape(value.shape[-2], value.shape[-1])
-            out["position_embeddings.weight"] = interpolate_position_embeddings(table, config.grid)
-        elif key == "vit.embeddings.patch_embeddings.projection.weight":
-            out["patch_embedding.weight"] = value.reshape(value.shape[0], -1)
-        elif (m := _LAYER_KEY.match(key)) is not None:
-            layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
-            if module.startswith("attention.attention."):
-                qkv.setdefault((layer, kind), {})[module.rsplit(".", 1)[1]] = value
-            elif module in _LAYER:
-                out[f"layers.{layer}.{_LAYER[module]}.{kind}"] = value
-            else:
-                raise KeyError(f"Hugging Face tensor {key!r} has no place in ViTModel")
-        else:
-            raise KeyError(f"Hugging Face tensor {key!r} has no place in ViTModel")
-    for (layer, kind), parts in qkv.items():
-        out[f"layers.{layer}.attention.qkv.{kind}"] = fuse_qkv(
-            parts["query"], parts["key"], parts["value"], config.num_attention_heads
-        )
-    return out
-
-
-def state_to_hf(state: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
-    """Inverse of ``state_from_hf`` (at the model's own image size)."""
-    inverse_top = {v: k for k, v in _TOP.items()}
-    inverse_layer = {v: k for k, v in _LAYER.items()}
-    c, p, h = config.num_channels, config.patch_size, config.hidden_size
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        if name in inverse_top:
-            out[inverse_top[name]] = value
-        elif name == "class_token.weight":
-            out["vit.embeddings.cls_token"] = value.reshape(1, 1, h)
-        elif name == "position_embeddings.weight":
-            out["vit.embeddings.position_embeddings"] = value.reshape(1, -1, h)
-        elif name == "patch_embedding.weight":
-            out["vit.embeddings.patch_embeddings.projection.weight"] = value.reshape(h, c, p, p)
-        elif (m := re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", name)) is not None:
-            layer, module, kind = m.groups()
-            prefix = f"vit.encoder.layer.{layer}"
-            if module == "attention.qkv":
-                parts = split_qkv(value, config.num_attention_heads)
-                for part, t in zip(("query", "key", "value"), parts):
-                    out[f"{prefix}.attention.attention.{part}.{kind}"] = t
-            elif module in inverse_layer:
-                out[f"{prefix}.{inverse_layer[module]}.{kind}"] = value
-        # anything else (FP8 scaling state) has no Hugging Face counterpart
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def save_hf(
-    directory: str | Path, state: dict, config: ViTConfig, classes: list[str] | None = None
-) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that
-    ``ViTForImageClassification.from_pretrained`` loads (FP32 values)."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().cpu() for k, v in state_to_hf(state, config).items()}
-    (out / "config.json").write_text(json.dumps(config_to_hf(config, classes), indent=2))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def load_hf(directory: str | Path, image_size: int | None = None):
-    """``(ViTConfig, parameters)`` from a Hugging Face ``ViTForImageClassification``
-    directory; ``image_size`` other than the checkpoint's interpolates the positions."""
-    from checkpoint.format import load_safetensors  # names a damaged file
-
-    path = Path(directory)
-    hf = read_hf_config(path)
-    config = config_from_hf(hf, **({"image_size": image_size} if image_size else {}))
-    return config, state_from_hf(load_safetensors(path / "model.safetensors"), config)
-
-
-def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
-    """A training checkpoint of this family (any layout, any level) as a Hugging Face
-    ``ViTForImageClassification`` (full tensors from the canonical format)."""
-    structure, config, params = ViTFamily().checkpoint_model(checkpoint)
-    return save_hf(directory, params, config, structure.get("classes"))

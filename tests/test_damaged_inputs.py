@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from data.corpus import stdlib_documents
 from data.tokenizer import train_sentencepiece
-from families.gpt_hf import save_hf
+from families.gpt_hf import GPTHFAdapter
 from models.gpt import GPTConfig, GPTModel
 from tools.convert_checkpoint import main as convert_main
 from tools.export_hf import main as export_main
@@ -52,7 +52,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
         num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=128
     )
     model = GPTModel(config)
-    save_hf(root / "hf", {k: v.detach() for k, v in model.named_parameters()}, config, 100)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    GPTHFAdapter().save(root / "hf", params, config, vocab_size=100)
     import_hf(root / "hf", root / "native", Layout(), progress=lambda _line: None)
     sharded = root / "sharded"
     shutil.copytree(root / "hf", sharded)

@@ -13,7 +13,7 @@ import torch
 
 from data.corpus import stdlib_documents
 from data.tokenizer import SentencePieceTokenizer, train_sentencepiece
-from families.gpt_hf import save_hf
+from families.gpt_hf import GPTHFAdapter
 from fp8train.gemm import set_gemm_backend
 from fp8train.precision import get_recipe
 from models.context import BuildContext
@@ -244,7 +244,8 @@ def hf_dir(tmp_path_factory, spm_model) -> Path:
     config = llama(vocab_size=512)
     model = GPTModel(config)
     out = tmp_path_factory.mktemp("hf")
-    save_hf(out, {k: v.detach() for k, v in model.named_parameters()}, config, vocab)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    GPTHFAdapter().save(out, params, config, vocab_size=vocab)
     return out
 
 

@@ -1,4 +1,5 @@
-"""GPT family <-> Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (families/gpt_hf.py):
+"""GPT family <-> Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (families/gpt_hf.py's
+``GPTHFAdapter``):
 logits and training gradients equal transformers' at fp32, bitwise round trips of every
 on-disk tensor, export of this project's models, and one clear error per unsupported setting.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -18,24 +20,14 @@ import transformers  # a test dependency (requirements.txt): the independent ref
 from safetensors.torch import load_file
 
 from families.gpt import GPTFamily, GPTModelSection
-from families.gpt_hf import (
-    config_from_hf,
-    config_to_hf,
-    export_checkpoint,
-    fuse_grouped_qkv,
-    hf_style,
-    load_hf,
-    save_hf,
-    split_grouped_qkv,
-    state_from_hf,
-    state_to_hf,
-)
+from families.gpt_hf import GPTHFAdapter
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel
 
 V, PADDED, H, LAYERS, HEADS, KV, SEQ, POSITIONS = 1000, 1024, 32, 2, 4, 2, 16, 32
 LOGIT_TOL = 1e-4
+HF = GPTHFAdapter()
 
 # Hugging Face variants: GPT-2 tied and untied; Llama with GQA (4 query heads, 2 kv heads)
 # untied, tied, and with biases on all its GEMMs (attention_bias = mlp_bias = true).
@@ -93,7 +85,7 @@ def _hf_config_dict(path) -> dict:
 
 
 def _ours(path, padded_vocab: int | None = None) -> tuple[GPTModel, GPTConfig]:
-    config, state = load_hf(path, padded_vocab)
+    config, state = HF.load(path, padded_vocab_size=padded_vocab)
     model = GPTModel(config).eval()
     result = model.load_state_dict(state, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -121,13 +113,13 @@ def test_imported_logits_match_transformers(hf_dir):
 def test_round_trip_restores_every_on_disk_tensor_and_the_config(hf_dir):
     on_disk = load_file(str(hf_dir / "model.safetensors"))
     original = _hf_config_dict(hf_dir)
-    config = config_from_hf(original)
-    back = state_to_hf(state_from_hf(on_disk, config), config, V)
+    config = HF.config_from_hf(original)
+    back = HF.state_to_hf(HF.state_from_hf(on_disk, config), config, V)
     assert set(back) == set(on_disk)
     unequal = [k for k in on_disk if not torch.equal(back[k], on_disk[k])]
     assert not unequal, unequal
-    fields = config_to_hf(config, V)
-    assert config_from_hf(fields) == config
+    fields = HF.config_to_hf(config, V)
+    assert HF.config_from_hf(fields) == config
     if original["model_type"] == "gpt2":
         same = ["vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "activation_function",
                 "layer_norm_epsilon", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -175,9 +167,9 @@ def test_exported_model_gives_the_same_logits_in_transformers(style, tmp_path):
     ours = GPTModel(config).eval()
     _perturb(ours.named_parameters())
     params = {k: v.detach() for k, v in ours.named_parameters()}
-    save_hf(tmp_path, params, config, vocab_size=V)
+    HF.save(tmp_path, params, config, vocab_size=V)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(hf).__name__ == ("GPT2LMHeadModel" if hf_style(config) == "gpt2"
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if HF.hf_style(config) == "gpt2"
                                  else "LlamaForCausalLM")  # fmt: skip
     tokens = _tokens()
     with torch.no_grad():
@@ -187,7 +179,7 @@ def test_exported_model_gives_the_same_logits_in_transformers(style, tmp_path):
     print(f"\nexport {style}: max |logit diff| = {diff:.2e}")
     assert diff <= LOGIT_TOL, diff
     # ... and back: the same config and parameters (the vocabulary re-padded with zeros).
-    config_back, state = load_hf(tmp_path, padded_vocab_size=PADDED, seq_length=SEQ)
+    config_back, state = HF.load(tmp_path, padded_vocab_size=PADDED, seq_length=SEQ)
     assert config_back == config
     assert set(state) == set(params)
     for name, value in state.items():
@@ -217,7 +209,7 @@ def test_causal_lm_loss_and_every_gradient_match_transformers(variant, tmp_path)
     want = hf(input_ids=tokens, labels=tokens).loss  # transformers shifts the labels itself
     want.backward()
     assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
-    grads = state_from_hf({n: p.grad for n, p in hf.named_parameters()}, config)
+    grads = HF.state_from_hf({n: p.grad for n, p in hf.named_parameters()}, config)
     params = dict(ours.named_parameters())
     assert set(grads) == set(params)
     worst = 0.0
@@ -232,8 +224,9 @@ def test_causal_lm_loss_and_every_gradient_match_transformers(variant, tmp_path)
 def test_export_of_a_training_checkpoint(tmp_path):
     """A canonical (format-2) checkpoint of the GPT family with FP8 scaling state (level te),
     as training writes it: the export leaves the FP8 state out and transformers gives the
-    logits of this project's model with those weights."""
-    from checkpoint.format import write_tensors
+    logits of this project's model with those weights. A checkpoint of another family, or one
+    whose format check fails, is refused naming the reason (metadata.json, the missing file)."""
+    from checkpoint.format import FORMAT_VERSION, CheckpointError, write_tensors
 
     style = OUR_STYLES["llama"]
     section = GPTModelSection(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS,
@@ -251,11 +244,12 @@ def test_export_of_a_training_checkpoint(tmp_path):
     meta = {
         "family": "gpt", "world_size": 1, "model_structure": {**structure, "vocab_size": V},
         "config": {"model": dataclasses.asdict(section), "parallel": {"tensor": 1, "pipeline": 1}},
+        "format_version": FORMAT_VERSION,
     }  # fmt: skip
     (checkpoint / "metadata.json").write_text(json.dumps(meta))
-    out = export_checkpoint(checkpoint, tmp_path / "hf")
+    out = HF.export(checkpoint, tmp_path / "hf")
     assert set(load_file(str(out / "model.safetensors"))) == set(
-        state_to_hf(dict(trained.named_parameters()), config, V)
+        HF.state_to_hf(dict(trained.named_parameters()), config, V)
     )
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     ours = GPTModel(config).eval()  # fp32: the reference for the exported FP32 weights
@@ -267,7 +261,25 @@ def test_export_of_a_training_checkpoint(tmp_path):
     meta["model_structure"]["family"] = "roberta"
     (checkpoint / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="not gpt"):
-        export_checkpoint(checkpoint, tmp_path / "hf2")
+        HF.export(checkpoint, tmp_path / "hf2")
+    # The format check: another format version, then a slice's file missing (TP=2 of which
+    # only the first file is there: the canonical reader alone would not name the other).
+    meta["model_structure"]["family"] = "gpt"
+    (checkpoint / "metadata.json").write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{checkpoint / 'metadata.json'}: checkpoint format version 1;"),
+    ):
+        HF.export(checkpoint, tmp_path / "hf3")
+    meta["config"]["parallel"]["tensor"] = 2
+    meta["world_size"] = 2
+    (checkpoint / "model.safetensors").rename(checkpoint / "model_tp0.safetensors")
+    (checkpoint / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"missing: {checkpoint / 'model_tp1.safetensors'}")
+    ):
+        HF.export(checkpoint, tmp_path / "hf4")
+    assert not any((tmp_path / name).exists() for name in ("hf2", "hf3", "hf4"))
 
 
 def _llama_dict(**kw) -> dict:
@@ -292,15 +304,15 @@ def _llama_dict(**kw) -> dict:
 )  # fmt: skip
 def test_unsupported_config_is_one_value_error_naming_the_key(hf, key):
     with pytest.raises(ValueError, match=f"config.json {key}="):
-        config_from_hf(hf())
+        HF.config_from_hf(hf())
 
 
 def test_old_style_rope_theta_and_unscaled_rope_scaling_are_read():
     hf = {**_llama_dict(), "rope_parameters": None, "rope_theta": 2.5e5, "rope_scaling": None}
-    assert config_from_hf(hf).rotary_base == 2.5e5
+    assert HF.config_from_hf(hf).rotary_base == 2.5e5
     hf["rope_scaling"] = {"type": "default"}
-    assert config_from_hf(hf).rotary_base == 2.5e5
-    assert config_from_hf(_llama_dict(), seq_length=8).seq_length == 8
+    assert HF.config_from_hf(hf).rotary_base == 2.5e5
+    assert HF.config_from_hf(_llama_dict(), seq_length=8).seq_length == 8
 
 
 def test_architectures_without_a_hugging_face_class_are_refused():
@@ -311,7 +323,7 @@ def test_architectures_without_a_hugging_face_class_are_refused():
         (dict(num_query_groups=2), "num_query_groups"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            config_to_hf(_our_config("gpt2", **kw), V)
+            HF.config_to_hf(_our_config("gpt2", **kw), V)
 
 
 def test_buffers_and_bare_model_keys_are_read_and_unknown_keys_raise(tmp_path):
@@ -320,30 +332,30 @@ def test_buffers_and_bare_model_keys_are_read_and_unknown_keys_raise(tmp_path):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(_hf_config("gpt2"))
     on_disk = {k: v.detach() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    config = config_from_hf(hf.config.to_dict())
-    want = state_from_hf(on_disk, config)
+    config = HF.config_from_hf(hf.config.to_dict())
+    want = HF.state_from_hf(on_disk, config)
     legacy = {k.removeprefix("transformer."): v for k, v in on_disk.items()}
     legacy["h.0.attn.bias"] = torch.ones(1, 1, POSITIONS, POSITIONS).tril()
     legacy["h.0.attn.masked_bias"] = torch.tensor(-1e4)
-    got = state_from_hf(legacy, config)
+    got = HF.state_from_hf(legacy, config)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(KeyError, match="transformer.h.0.attn.c_attn.lora_A"):
-        state_from_hf({**on_disk, "transformer.h.0.attn.c_attn.lora_A": torch.zeros(1)}, config)
-    llama = config_from_hf(_llama_dict())
+        HF.state_from_hf({**on_disk, "transformer.h.0.attn.c_attn.lora_A": torch.zeros(1)}, config)
+    llama = HF.config_from_hf(_llama_dict())
     with pytest.raises(KeyError, match="q, k or v"):
-        state_from_hf({"model.layers.0.self_attn.q_proj.weight": torch.zeros(H, H)}, llama)
+        HF.state_from_hf({"model.layers.0.self_attn.q_proj.weight": torch.zeros(H, H)}, llama)
     for key in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.input_layernorm.bias"):
         with pytest.raises(KeyError, match=key):  # no biases in this Llama, none on its norms
-            state_from_hf({key: torch.zeros(H)}, llama)
+            HF.state_from_hf({key: torch.zeros(H)}, llama)
 
 
 def test_fp8_state_is_left_out_of_the_export():
     config = _our_config("llama")
-    fp32 = state_to_hf(GPTModel(config).state_dict(), config, V)
-    te = state_to_hf(GPTModel(config, BuildContext(get_recipe("te"))).state_dict(), config, V)
+    fp32 = HF.state_to_hf(GPTModel(config).state_dict(), config, V)
+    te = HF.state_to_hf(GPTModel(config, BuildContext(get_recipe("te"))).state_dict(), config, V)
     assert set(te) == set(fp32)
     with pytest.raises(KeyError, match="position_embeddings"):
-        state_to_hf({"position_embeddings.weight": torch.zeros(SEQ, H)}, config, V)
+        HF.state_to_hf({"position_embeddings.weight": torch.zeros(SEQ, H)}, config, V)
 
 
 def test_grouped_qkv_layout_is_the_models():
@@ -353,11 +365,23 @@ def test_grouped_qkv_layout_is_the_models():
     q = torch.arange(groups * r * d).float()[:, None] + 100
     k = torch.arange(groups * d).float()[:, None] + 200
     v = torch.arange(groups * d).float()[:, None] + 300
-    fused = fuse_grouped_qkv(q, k, v, groups)
+    fused = HF.fuse_qkv(q, k, v, groups)
     by_head = fused.view(groups, r + 2, d)
     assert torch.equal(by_head[1, 0], q[6:9, 0]) and torch.equal(by_head[1, 1], q[9:12, 0])
     assert torch.equal(by_head[1, 2], k[3:6, 0]) and torch.equal(by_head[1, 3], v[3:6, 0])
-    assert all(torch.equal(a, b) for a, b in zip(split_grouped_qkv(fused, groups, r), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(HF.split_qkv(fused, groups, r), (q, k, v)))
+
+
+def test_per_head_qkv_is_the_grouped_layout_with_one_head_per_group():
+    """Multi-head attention (RoBERTa, ViT, GPT-2): groups = heads gives the per-head rows
+    ``[q_0, k_0, v_0, q_1, ...]`` (each d rows), for weights and biases, and splits back."""
+    d, heads, width = 3, 4, 5
+    for rest in ((), (width,)):
+        q, k, v = (torch.randn(heads * d, *rest) for _ in range(3))
+        fused = HF.fuse_qkv(q, k, v, heads)
+        want = torch.stack([t.reshape(heads, d, *rest) for t in (q, k, v)], 1)
+        assert torch.equal(fused, want.reshape(3 * heads * d, *rest))
+        assert all(torch.equal(a, b) for a, b in zip(HF.split_qkv(fused, heads), (q, k, v)))
 
 
 # ---------------------------------------------------------------------------------------------

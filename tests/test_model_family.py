@@ -488,3 +488,13 @@ def test_a_metric_that_shadows_the_loops_is_refused(metric):
 
     with pytest.raises(ValueError, match="is reserved"):
         register_family(Shadowing())
+
+
+def test_a_family_without_a_hugging_face_adapter_refuses_import_and_export(tmp_path):
+    """``import_hf``/``export_hf`` come from the family's ``hf_adapter``; the toy family has
+    none, so both refuse, naming the family, before reading anything."""
+    assert ToyFamily.hf_adapter is None and ToyFamily.hf_model_types == ()
+    with pytest.raises(NotImplementedError, match="'toy' has no Hugging Face import yet"):
+        ToyFamily().import_hf(tmp_path)
+    with pytest.raises(NotImplementedError, match="'toy' has no Hugging Face export yet"):
+        ToyFamily().export_hf(tmp_path, tmp_path / "hf")

@@ -13,13 +13,14 @@ import transformers  # a test dependency (requirements.txt): the independent ref
 from multiproc import end_worker
 from safetensors.torch import load_file
 
-from families.roberta import config_from_hf, config_to_hf, state_from_hf, state_to_hf
+from families.roberta_hf import RobertaHFAdapter
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.roberta import RobertaConfig, RobertaModel, roberta_position_ids
 from parallel.pipeline.layout import PipelineLayout
 
 V, H, LAYERS, HEADS, SEQ = 100, 32, 2, 4, 16
+HF = RobertaHFAdapter()
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,9 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ours(hf_dir, padded_vocab: int = 128, **overrides):
     hf_config = json.loads((hf_dir / "config.json").read_text())
-    config = config_from_hf(hf_config, padded_vocab_size=padded_vocab, **overrides)
+    config = HF.config_from_hf(hf_config, padded_vocab_size=padded_vocab, **overrides)
     model = RobertaModel(config).eval()
-    state = state_from_hf(load_file(str(hf_dir / "model.safetensors")), config)
+    state = HF.state_from_hf(load_file(str(hf_dir / "model.safetensors")), config)
     missing = model.load_state_dict(state, strict=False)
     assert not missing.unexpected_keys and not missing.missing_keys, missing
     return model, config
@@ -76,13 +77,37 @@ def test_logits_match_hugging_face(hf_dir):
 def test_adapter_round_trip_restores_every_hugging_face_tensor(hf_dir):
     hf = load_file(str(hf_dir / "model.safetensors"))
     _, config = _ours(hf_dir)
-    back = state_to_hf(state_from_hf(hf, config), config, V)
+    back = HF.state_to_hf(HF.state_from_hf(hf, config), config, V)
     expected = {k for k in hf if not k.startswith("lm_head.decoder")}
     assert set(back) == expected
     assert all(torch.equal(back[k], hf[k]) for k in expected)
-    fields = config_to_hf(config, V)
+    fields = HF.config_to_hf(config, V)
     assert transformers.RobertaConfig(**fields).vocab_size == V
     assert fields["max_position_embeddings"] == SEQ + 2 and fields["hidden_act"] == "gelu"
+
+
+def test_sharded_directory_loads_like_the_single_file(hf_dir, tmp_path):
+    """``save_pretrained`` above ``max_shard_size`` writes model.safetensors.index.json and
+    shards: ``load_pretrained`` (the family's import) reads them and gives the single file's
+    logits, transformers' to 1e-5; a missing shard is named."""
+    from checkpoint.format import CheckpointError
+    from families import load_pretrained
+
+    hf = transformers.RobertaForMaskedLM.from_pretrained(hf_dir).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(shards) > 1
+    assert not (tmp_path / "model.safetensors").exists()
+    tokens, mask = _tokens()
+    with torch.no_grad():
+        want = hf(input_ids=tokens, attention_mask=mask).logits
+        single = load_pretrained(hf_dir)(tokens, attention_mask=mask)
+        sharded = load_pretrained(tmp_path)(tokens, attention_mask=mask)
+    assert torch.equal(sharded, single)
+    assert (sharded[..., :V] - want).abs().max() / want.abs().max() < 1e-5
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"missing: {shards[-1]}"):
+        load_pretrained(tmp_path)
 
 
 def test_positions_skip_padding():
@@ -238,8 +263,6 @@ def test_tensor_parallel_loss_and_every_gradient_match_one_process(tp_results, l
 def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
     """A model of this project (random init, post-LN, exact GELU, padded vocabulary) saved as
     Hugging Face files loads in transformers and gives the same logits on a padded batch."""
-    from families.roberta import load_hf, save_hf
-
     torch.manual_seed(11)
     config = _small(num_layers=2, max_position_embeddings=SEQ + 2, padding_idx=1)
     ours = RobertaModel(config).eval()
@@ -247,7 +270,7 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
         for name, p in ours.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    save_hf(tmp_path, dict(ours.named_parameters()), config, vocab_size=V)
+    HF.save(tmp_path, dict(ours.named_parameters()), config, vocab_size=V)
     hf = transformers.RobertaForMaskedLM.from_pretrained(tmp_path).eval()
     tokens, mask = _tokens()
     with torch.no_grad():
@@ -255,7 +278,7 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
         got = hf(input_ids=tokens, attention_mask=mask).logits
     assert (got - want).abs().max() <= 1e-4
     # ... and back: the reloaded parameters are the exported ones (the vocabulary re-padded).
-    config_back, state = load_hf(tmp_path, padded_vocab_size=128)
+    config_back, state = HF.load(tmp_path, padded_vocab_size=128)
     assert config_back == config
     params = dict(ours.named_parameters())
     assert all(torch.equal(state[k], params[k].detach()) for k in state if k not in (
@@ -286,7 +309,7 @@ def test_masked_lm_loss_and_every_gradient_match_hugging_face(tmp_path):
     want = hf(input_ids=tokens, attention_mask=mask, labels=labels).loss
     want.backward()
     assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
-    grads = state_from_hf({n: p.grad for n, p in hf.named_parameters()}, ours_config)
+    grads = HF.state_from_hf({n: p.grad for n, p in hf.named_parameters()}, ours_config)
     params = dict(ours.named_parameters())
     assert set(grads) == set(params)
     for name, g in grads.items():

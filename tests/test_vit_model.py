@@ -12,13 +12,14 @@ import torch
 import transformers  # a test dependency (requirements.txt): the independent reference
 from multiproc import end_worker
 
-from families.vit import config_to_hf, load_hf, save_hf, state_from_hf, state_to_hf
+from families.vit_hf import ViTHFAdapter
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.vit import ViTConfig, ViTModel, interpolate_position_embeddings, patchify
 from parallel.pipeline.layout import PipelineLayout
 
 IMAGE, PATCH, CHANNELS, CLASSES, H, HEADS = 8, 2, 3, 5, 32, 4
+HF = ViTHFAdapter()
 
 
 def _hf_config(**extra) -> transformers.ViTConfig:
@@ -62,7 +63,7 @@ def _small(**overrides) -> ViTConfig:
 
 
 def _ours(hf_dir, **kw) -> tuple[ViTModel, ViTConfig]:
-    config, state = load_hf(hf_dir, **kw)
+    config, state = HF.load(hf_dir, **kw)
     model = ViTModel(config).eval()
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys and not result.missing_keys, result
@@ -93,14 +94,39 @@ def test_adapter_round_trip_restores_every_hugging_face_tensor(hf_dir):
 
     hf = load_file(str(hf_dir / "model.safetensors"))
     _, config = _ours(hf_dir)
-    back = state_to_hf(state_from_hf(hf, config), config)
+    back = HF.state_to_hf(HF.state_from_hf(hf, config), config)
     assert set(back) == set(hf)
     assert all(torch.equal(back[k], hf[k]) for k in hf)
-    fields = config_to_hf(config)
+    fields = HF.config_to_hf(config)
     saved = json.loads((hf_dir / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "image_size",
                 "patch_size", "num_channels", "layer_norm_eps", "hidden_act"):  # fmt: skip
         assert fields[key] == saved[key], key
+
+
+def test_sharded_directory_loads_like_the_single_file(hf_dir, tmp_path):
+    """``save_pretrained`` above ``max_shard_size`` writes model.safetensors.index.json and
+    shards: ``load_pretrained`` (the family's import) reads them and gives the single file's
+    logits, transformers' to 1e-5, and the import the same tensors and class names."""
+    from families import get_family, load_pretrained
+
+    hf = transformers.ViTForImageClassification.from_pretrained(hf_dir).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(shards) > 1
+    assert not (tmp_path / "model.safetensors").exists()
+    x = _images()
+    with torch.no_grad():
+        want = hf(pixel_values=x).logits
+        single = load_pretrained(hf_dir)(x)
+        sharded = load_pretrained(tmp_path)(x)
+    assert torch.equal(sharded, single) and (sharded - want).abs().max() <= 1e-5
+    vit = get_family("vit")
+    a, b = vit.import_hf(hf_dir), vit.import_hf(tmp_path)
+    assert a.structure == b.structure
+    assert a.structure["classes"] == [hf.config.id2label[i] for i in range(CLASSES)]
+    assert set(a.tensors) == set(b.tensors)
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
 
 def _disk_name(hf_dir, param: torch.Tensor) -> str:
@@ -127,7 +153,7 @@ def test_loss_and_every_gradient_match_hugging_face(hf_dir):
     got = torch.nn.functional.cross_entropy(logits, labels)
     got.backward()
     assert abs(got.item() - want.item()) <= 1e-6
-    ours = state_to_hf({n: p.grad for n, p in model.named_parameters()}, config)
+    ours = HF.state_to_hf({n: p.grad for n, p in model.named_parameters()}, config)
     theirs = {_disk_name(hf_dir, p): p.grad for _, p in hf.named_parameters()}
     assert set(ours) == set(theirs)
     # The attention key bias has an exactly-zero true gradient (softmax ignores a constant
@@ -148,7 +174,7 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
     ours = ViTModel(config).eval()
     _perturb(ours)
     classes = [f"c{i}" for i in range(CLASSES)]
-    save_hf(tmp_path, dict(ours.named_parameters()), config, classes)
+    HF.save(tmp_path, dict(ours.named_parameters()), config, classes=classes)
     hf = transformers.ViTForImageClassification.from_pretrained(tmp_path).eval()
     assert hf.config.id2label[2] == "c2"
     x = _images()
@@ -156,7 +182,7 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path):
         want = ours(x)["logits"]
         got = hf(pixel_values=x).logits
     assert (got - want).abs().max() <= 1e-4
-    config_back, state = load_hf(tmp_path)
+    config_back, state = HF.load(tmp_path)
     assert config_back == config
     params = dict(ours.named_parameters())
     assert set(state) == set(params) and all(torch.equal(state[k], params[k]) for k in state)
