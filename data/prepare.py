@@ -43,6 +43,7 @@ from data.tokenizer import (
 )
 
 __all__ = [
+    "planned_vocabulary",
     "FORMAT_VERSION",
     "PreparedData",
     "cache_key",
@@ -341,6 +342,20 @@ def find_default_data(
     fingerprint = corpus_fingerprint(stdlib_documents(root), root)
     key = cache_key(fingerprint, vocab_size, seed, "stdlib", DEFAULT_MAX_SENTENCES, control_symbols)
     return _load_cached(Path(cache_dir) / key)
+
+
+def planned_vocabulary(data_cfg) -> tuple[int, int]:
+    """``(vocabulary size, pad id)`` of the ``data`` section's tokenizer for a run that is only
+    planned (training/planner.py: nothing prepared, no corpus read): a user's tokenizer is
+    loaded (``data.tokenizer_model``); the default corpus's is the SentencePiece model it would
+    train, ``data.vocab_size`` pieces with ``<pad>`` at id 3 (``train_sentencepiece``)."""
+    if data_cfg.corpus == "stdlib":
+        return data_cfg.vocab_size, 3
+    try:
+        tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"data.tokenizer_model: {err}") from None
+    return tokenizer.vocab_size, tokenizer.pad
 
 
 def check_text_data(

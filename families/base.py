@@ -227,6 +227,18 @@ class ModelFamily(ABC):
     def flops_per_step(self, config: Any, global_batch_size: int) -> float:
         """Model FLOPs of one optimizer step (forward + backward) over the global batch."""
 
+    def planned_model_config(self, cfg, tensor_parallel: int) -> Any:
+        """The model config of a run that is only planned (training/planner.py): built from
+        the config alone, with what ``model_config`` takes from the prepared data (the
+        vocabulary, the classes) read without preparing any (no corpus built or read)."""
+        raise NotImplementedError(f"model family {self.name!r} cannot be planned yet")
+
+    def example_batch(self, config: Any, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """One micro-batch with every entry ``model_inputs`` and ``loss`` read, in the shapes
+        and dtypes the family's data gives; the values mean nothing (a plan runs on fake
+        tensors, where only shapes and dtypes exist)."""
+        raise NotImplementedError(f"model family {self.name!r} cannot be planned yet")
+
     @abstractmethod
     def checkpoint_structure(self, config: Any, data: Any = None) -> dict:
         """JSON-ready facts a checkpoint reader or converter needs beyond each tensor's own

@@ -17,7 +17,7 @@ import torch
 
 from data.gpt_data import build_gpt_datasets
 from data.paths import check_directory
-from data.prepare import check_text_data, prepare_text_data
+from data.prepare import check_text_data, planned_vocabulary, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily
 from families.config_fields import doc_field
@@ -110,6 +110,16 @@ class GPTFamily(ModelFamily):
             data.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, tensor_parallel
         )
         return cfg.model.resolved(vocab_size=vocab)
+
+    def planned_model_config(self, cfg, tensor_parallel: int) -> GPTConfig:
+        vocab, _ = planned_vocabulary(cfg.data)
+        padded = pad_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tensor_parallel)
+        return cfg.model.resolved(vocab_size=padded)
+
+    def example_batch(self, config: GPTConfig, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        shape = (micro_batch_size, config.seq_length)
+        tokens = torch.zeros(shape, dtype=torch.int64)
+        return {"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(shape)}
 
     def build_model(self, config: GPTConfig, ctx, pipeline) -> GPTModel:
         return GPTModel(config, ctx, pipeline)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from data.mlm_data import MLMSpecialTokens, build_mlm_datasets
-from data.prepare import check_text_data, prepare_text_data
+from data.prepare import check_text_data, planned_vocabulary, prepare_text_data
 from data.tokenizer import SentencePieceTokenizer
 from families.base import LossSums, ModelFamily
 from families.config_fields import doc_field
@@ -149,6 +149,22 @@ class RobertaFamily(ModelFamily):
             data.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, tensor_parallel
         )
         return cfg.model.resolved(vocab_size=vocab, padding_idx=data.tokenizer.pad)
+
+    def planned_model_config(self, cfg, tensor_parallel: int) -> RobertaConfig:
+        vocab, pad = planned_vocabulary(cfg.data)
+        padded = pad_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tensor_parallel)
+        return cfg.model.resolved(vocab_size=padded, padding_idx=pad)
+
+    def example_batch(self, config: RobertaConfig, micro_batch_size: int) -> dict:
+        shape = (micro_batch_size, config.seq_length)
+        ids = torch.zeros(shape, dtype=torch.int64)
+        batch = {
+            "tokens": ids, "labels": ids.clone(), "loss_mask": torch.ones(shape),
+            "attention_mask": torch.ones(shape, dtype=torch.int64), "token_types": ids.clone(),
+        }  # fmt: skip
+        if config.add_binary_head:
+            batch["sop_label"] = torch.zeros(micro_batch_size, dtype=torch.int64)
+        return batch
 
     def build_model(self, config: RobertaConfig, ctx, pipeline) -> RobertaModel:
         return RobertaModel(config, ctx, pipeline)

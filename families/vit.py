@@ -137,6 +137,16 @@ class ViTFamily(ModelFamily):
     def model_config(self, cfg, data: ViTData, tensor_parallel: int) -> ViTConfig:
         return _model_config(cfg, data.classes, data.source.channels)
 
+    def planned_model_config(self, cfg, tensor_parallel: int) -> ViTConfig:
+        return self.preflight(cfg)  # the sources' classes and channels: no image decoded
+
+    def example_batch(self, config: ViTConfig, micro_batch_size: int) -> dict:
+        c, size = config.num_channels, config.image_size
+        return {
+            "images": torch.zeros(micro_batch_size, c, size, size),
+            "labels": torch.zeros(micro_batch_size, dtype=torch.int64),
+        }
+
     def build_model(self, config: ViTConfig, ctx, pipeline) -> ViTModel:
         return ViTModel(config, ctx, pipeline)
 

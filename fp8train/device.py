@@ -18,8 +18,10 @@ __all__ = [
     "empty_cache",
     "dist_backend",
     "get_device",
+    "in_host_memory",
     "is_cuda",
     "manual_seed_all",
+    "move_module",
     "memory_info",
     "memory_stats",
     "reset_peak_memory",
@@ -46,6 +48,33 @@ def get_device(local_rank: int | None = None) -> torch.device:
     index = torch.cuda.current_device() if local_rank is None else local_rank
     torch.cuda.set_device(index)  # NCCL and default-device allocations follow this
     return torch.device("cuda", index)
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    if have.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":  # "cuda": the current device
+        want = torch.device("cuda", torch.cuda.current_device())
+    return want.index is None or have.index == want.index
+
+
+def move_module(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """``module.to(device)`` unless every parameter and buffer is there already. Moving in
+    place swaps tensors, which fake tensors (training/planner.py) refuse; a module built
+    where it runs needs no move."""
+    want = torch.device(device)
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(_same_device(t.device, want) for t in tensors):
+        return module
+    return module.to(want)
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values sit in host memory, readable without a sync: a CPU tensor, but
+    not a fake one (training/planner.py: shapes without values)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "cpu" and not is_fake(t)
 
 
 def dist_backend() -> str:

@@ -36,6 +36,7 @@ from itertools import chain
 
 import torch
 
+from . import device as devices
 from .formats import E4M3
 from .low_precision import FP16_MAX
 from .optim_states import (
@@ -194,7 +195,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        _add_update_(weights, exp_avgs, denom, neg_step_size, neg_step_size.device.type == "cpu")
+        packed = devices.in_host_memory(neg_step_size)
+        _add_update_(weights, exp_avgs, denom, neg_step_size, packed)
 
         # Store. The moments used above were the FP32 values; only storage rounds them.
         self._store_moments(states, exp_avgs, "exp_avg", E4M3.max, pow2=False)

@@ -92,6 +92,10 @@ class ParallelModel(nn.Module, ABC):
                 f"pipeline layout has {self.pipeline.num_layers} layers, the model "
                 f"{config.num_layers}"
             )
+        if not ctx.initialize:  # shapes and dtypes only (a plan): no values to fill
+            self.build(replace(ctx, materialize=False))
+            self.refresh_names()
+            return
         if self.tp_group is None and not self.pipeline.is_split:
             self.build(ctx)
             self.refresh_names()

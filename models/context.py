@@ -29,7 +29,9 @@ class BuildContext:
     shapes only); tp_group: the tensor-parallel group (None or a 1-rank group = no TP);
     sequence_parallel: activations between the GEMMs are sequence shards of that group.
     materialize: False builds parallel layers without initialising them (their values are
-    filled in afterwards, slice by slice, see ``models.base``)."""
+    filled in afterwards, slice by slice, see ``models.base``). initialize: False leaves the
+    whole model's values undefined (no initialisation, no replay): what a plan on fake
+    tensors builds, where only shapes and dtypes count (training/planner.py)."""
 
     recipe: PrecisionRecipe | None = None
     scaling: ScalingRecipe | None = None
@@ -37,6 +39,7 @@ class BuildContext:
     tp_group: object = None
     sequence_parallel: bool = False
     materialize: bool = field(default=True, compare=False)
+    initialize: bool = field(default=True, compare=False)
 
     def __post_init__(self):
         if tp_size(self.tp_group) == 1:

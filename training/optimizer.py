@@ -377,8 +377,18 @@ def clip_grad_norm(
         keep = torch.tensor(counted[0] + counted[1], dtype=torch.bool, device=squares.device)
         squares = torch.where(keep, squares, torch.zeros_like(squares))
     if tp_group is not None and tp_group.size() > 1:
-        flags = torch.tensor(sharded[0] + sharded[1], dtype=torch.bool, device=squares.device)
-        parts = torch.stack([squares[flags].sum(), squares[~flags].sum()])
+        # Positions from the host's flags, not a boolean mask: the same elements in the same
+        # order, with shapes known before the values (a plan on fake tensors has no values).
+        flags = sharded[0] + sharded[1]
+        picked = [
+            torch.tensor(
+                [i for i, f in enumerate(flags) if f == want],
+                dtype=torch.long,
+                device=squares.device,
+            )
+            for want in (True, False)
+        ]
+        parts = torch.stack([squares[p].sum() for p in picked])
         shard_sum = parts[0:1].clone()
         torch.distributed.all_reduce(shard_sum, group=tp_group)
         total_sq = shard_sum[0] + parts[1]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from families import ModelFamily, get_family
+from fp8train import device as devices
 from fp8train import gemm
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -150,9 +151,12 @@ def _keep_padded_vocab(model_config, saved: dict | None, tensor: int):
     return replace(model_config, vocab_size=padded)
 
 
-def _build_model(fam, cfg: Config, model_config, layout, groups, device, recipe) -> ParallelModel:
+def _build_model(
+    fam, cfg: Config, model_config, layout, groups, device, recipe, initialize: bool = True
+) -> ParallelModel:
     """This rank's slice of the family's model on ``device``, in the level's storage, with
-    the dropout streams of its tensor and pipeline position seeded."""
+    the dropout streams of its tensor and pipeline position seeded (``initialize``: False
+    leaves the values undefined, see ``BuildContext``)."""
     topo = groups.topology
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.
@@ -164,11 +168,12 @@ def _build_model(fam, cfg: Config, model_config, layout, groups, device, recipe)
         scaling_recipe(cfg),
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        initialize=initialize,
     )
     model = fam.build_model(model_config, ctx, layout)
     if not isinstance(model, ParallelModel):
         raise TypeError(f"family {fam.name!r} built a {type(model).__name__}, not a ParallelModel")
-    model = model.to(device)
+    model = devices.move_module(model, device)
     apply_level_storage(model, recipe)  # bf16 params; O1-O3 scaled FP16 / FP8 linear weights
     if topo.pp_rank > 0:
         # Megatron's offset: every stage built the same full model from one seed; from here on
@@ -192,11 +197,16 @@ def _build_datasets(fam, cfg: Config, data):
     return train_ds, valid_ds
 
 
-def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
+def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = False) -> RunState:
     """Everything but loading the checkpoint, for the model family of ``cfg`` (its ``model``
     section's), as ``plan`` (the pre-flight's) says; without one, the layout is checked here
     and nothing is resumed. A plan that resumes keeps its checkpoint's FP8 GEMM backend (the
-    loss sequence stays bit-identical) and padded vocabulary (``_keep_padded_vocab``)."""
+    loss sequence stays bit-identical) and padded vocabulary (``_keep_padded_vocab``).
+
+    ``planning``: the build of training/planner.py, under fake tensors: no data prepared and
+    no datasets (the model config from ``ModelFamily.planned_model_config``), no values
+    initialised, and the FP8 GEMM backend a GPU would take when the config says "auto"
+    (``scaled_mm``) rather than a race of fake kernels."""
     fam = get_family(cfg.family)
     recipe = cfg.precision.recipe()
     groups, device = init_distributed(
@@ -212,13 +222,15 @@ def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
     resume = plan.resume
     layout = PipelineLayout(cfg.model.num_layers, topo.pipeline, plan.virtual_stages, topo.pp_rank)
 
-    data = prepare_data(fam, cfg, topo.rank)
+    if planning:
+        data, model_config = None, fam.planned_model_config(cfg, topo.tensor)
+    else:
+        data = prepare_data(fam, cfg, topo.rank)
+        model_config = fam.model_config(cfg, data, topo.tensor)
     saved_structure = resume.saved_structure if resume else None
-    model_config = _keep_padded_vocab(
-        fam.model_config(cfg, data, topo.tensor), saved_structure, topo.tensor
-    )
+    model_config = _keep_padded_vocab(model_config, saved_structure, topo.tensor)
 
-    model = _build_model(fam, cfg, model_config, layout, groups, device, recipe)
+    model = _build_model(fam, cfg, model_config, layout, groups, device, recipe, not planning)
     meter = CommMeter()
     engine = None
     if layout.is_split:
@@ -233,8 +245,10 @@ def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
 
     chosen = None
     if recipe.fp8_gemm:
-        saved_backend = resume.gemm_backend if resume else None
-        chosen = _agree_gemm_backend(saved_backend or cfg.precision.fp8_gemm_backend, device)
+        choice = (resume.gemm_backend if resume else None) or cfg.precision.fp8_gemm_backend
+        if planning and choice == "auto":
+            choice = "scaled_mm"
+        chosen = _agree_gemm_backend(choice, device)
         gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(
@@ -252,7 +266,7 @@ def build_run(cfg: Config, plan: RunPlan | None = None) -> RunState:
         optimizer, cfg.optimizer, cfg.resolved_lr_decay_iters(), cfg.resolved_lr_warmup_iters()
     )
 
-    train_ds, valid_ds = _build_datasets(fam, cfg, data)
+    train_ds, valid_ds = (None, None) if planning else _build_datasets(fam, cfg, data)
     return RunState(
         cfg=cfg,
         plan=plan,

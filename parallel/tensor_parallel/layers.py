@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8train import device as devices
 from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
 from fp8train.scaling import ScalingRecipe
@@ -203,7 +204,7 @@ class _ParallelLinear(ParallelLayer):
             nn.Parameter(torch.empty(bias_size, device=build, dtype=dtype)) if bias else None
         )
         if build != "meta":
-            self.to(_default_device(device))
+            devices.move_module(self, _default_device(device))
             if not skip_init:  # skip_init: the caller fills the shard (models.base)
                 self.reset_parameters()
 
