@@ -36,6 +36,7 @@ def _write(tmp_path: Path, text: str) -> str:
 def test_configs_are_shipped():
     names = {p.name for p in SHIPPED}
     assert {"gpt_tiny.yaml", "llama_tiny.yaml", "gpt_125m.yaml", "gpt_1.3b.yaml"} <= names
+    assert {"gpt_7b.yaml", "gpt_13b.yaml", "gpt_175b.yaml"} <= names  # FP8-LM's three GPTs
 
 
 def _family_of(path: Path) -> str | None:
