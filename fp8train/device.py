@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
     "cuda_capability",
@@ -72,8 +73,6 @@ def move_module(module: torch.nn.Module, device: torch.device | str) -> torch.nn
 def in_host_memory(t: torch.Tensor) -> bool:
     """Whether ``t``'s values sit in host memory, readable without a sync: a CPU tensor, but
     not a fake one (training/planner.py: shapes without values)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.device.type == "cpu" and not is_fake(t)
 
 
