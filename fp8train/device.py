@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 __all__ = [
     "cuda_capability",
@@ -61,7 +60,7 @@ def _same_device(have: torch.device, want: torch.device) -> bool:
 
 def move_module(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """``module.to(device)`` unless every parameter and buffer is there already. Moving in
-    place swaps tensors, which fake tensors (training/planner.py) refuse; a module built
+    place swaps tensors, which some tensor subclasses (fake tensors) refuse; a module built
     where it runs needs no move."""
     want = torch.device(device)
     tensors = [*module.parameters(), *module.buffers()]
@@ -71,9 +70,9 @@ def move_module(module: torch.nn.Module, device: torch.device | str) -> torch.nn
 
 
 def in_host_memory(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values sit in host memory, readable without a sync: a CPU tensor, but
-    not a fake one (training/planner.py: shapes without values)."""
-    return t.device.type == "cpu" and not is_fake(t)
+    """Whether ``t``'s values sit in host memory, readable without a sync: a CPU tensor (not
+    a CUDA one, nor a meta one of a plan, training/planner.py: shapes without values)."""
+    return t.device.type == "cpu"
 
 
 def dist_backend() -> str:

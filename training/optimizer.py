@@ -180,6 +180,16 @@ class TrainOptimizer:
         """The FP32 masters, in the order of the parameters they belong to."""
         return list(self.masters.values())
 
+    @staticmethod
+    def _split_state(state: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(masters, the rest) among one parameter's optimizer-state tensors: LowBitAdamW
+        keeps O3's FP16 master (and its scale) in the state under ``master*`` keys."""
+        masters, rest = [], []
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                (masters if "master" in key else rest).append(value)
+        return masters, rest
+
     def param_state_bytes(self, index: int) -> tuple[int, int]:
         """(master bytes, optimizer-state bytes) held on this rank for model parameter
         ``index`` (0 for parameters another rank owns)."""
@@ -189,15 +199,19 @@ class TrainOptimizer:
         param = self.step_params[k]
         master = self.masters.get(id(param))
         state = self.optimizer.state.get(master if master is not None else param, {})
+        masters, rest = self._split_state(state)
         master_bytes = master.nbytes if master is not None else 0
-        other = 0
-        for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":
-                if "master" in key:
-                    master_bytes += value.nbytes
-                else:
-                    other += value.nbytes
-        return master_bytes, other
+        return master_bytes + sum(t.nbytes for t in masters), sum(t.nbytes for t in rest)
+
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(master weights, optimizer states) this rank holds: the FP32 masters and every
+        state tensor, split as ``param_state_bytes`` counts them."""
+        masters, rest = list(self.masters.values()), []
+        for state in self.optimizer.state.values():
+            m, r = self._split_state(state)
+            masters += m
+            rest += r
+        return masters, rest
 
     def step(self) -> None:
         # AdamW reads .grad: the FP32 main_grad (a view, no copy) on the master where there is

@@ -166,6 +166,7 @@ def _build_model(
     ctx = BuildContext(
         recipe,
         scaling_recipe(cfg),
+        device=None if initialize else device,  # a plan builds on meta; a run moves below
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
         initialize=initialize,
@@ -203,7 +204,7 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     and nothing is resumed. A plan that resumes keeps its checkpoint's FP8 GEMM backend (the
     loss sequence stays bit-identical) and padded vocabulary (``_keep_padded_vocab``).
 
-    ``planning``: the build of training/planner.py, under fake tensors: no data prepared and
+    ``planning``: the build of training/planner.py, on the meta device: no data prepared and
     no datasets (the model config from ``ModelFamily.planned_model_config``), no values
     initialised, and the FP8 GEMM backend a GPU would take when the config says "auto"
     (``scaled_mm``) rather than a race of fake kernels."""
@@ -212,6 +213,8 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
+    if planning:  # shapes, dtypes and storage sizes only: nothing allocated or computed
+        device = torch.device("meta")
     topo = groups.topology
     if plan is None:
         plan = plan_parallel(cfg, topo.world_size)
