@@ -23,7 +23,12 @@ import pytest
 from conftest import REPO, tiny_overrides
 from multiproc import logged_losses, metrics_records, pretrain_ranks
 
-STEPS = 24  # the last signal lands near step 10: 14 steps of margin before the run would end
+STEPS = 24
+# The launched runs evaluate this many batches after every step. Evaluation leaves training
+# untouched (the losses must still equal the straight run's, which does not evaluate); it is
+# here to slow the steps: a tiny step takes about 12 ms on a fast core, and the test must
+# stop the run, from outside, before it ends on its own.
+PACE_EVAL_ITERS = 16
 RESTART_DEADLINE = 150  # s from the kill to the job's end (about 15 s unloaded)
 
 
@@ -32,11 +37,13 @@ TORCHRUN = "torch.distributed.run"  # plain torchrun
 CONFIG = "configs/gpt_tiny.yaml"
 
 
-def _overrides(data, run_dir, level: str = "fp32") -> list[str]:
+def _overrides(data, run_dir, level: str = "fp32", paced: bool = True) -> list[str]:
+    evaluation = {"training.eval_interval": 1, "training.eval_iters": PACE_EVAL_ITERS}
+    if not paced:
+        evaluation = {"training.eval_interval": 1000, "training.eval_iters": 0}
     return tiny_overrides(
         data, run_dir, level,
-        **{"training.train_iters": STEPS, "checkpoint.save_interval": 0,
-           "training.eval_interval": 1000, "training.eval_iters": 0},
+        **{"training.train_iters": STEPS, "checkpoint.save_interval": 0, **evaluation},
     )  # fmt: skip
 
 
@@ -60,7 +67,10 @@ def straight_runs(tiny_data, tmp_path_factory):
     def losses(level: str) -> dict[int, float]:
         if not done:
             dirs = {lv: tmp_path_factory.mktemp(f"straight_{lv}") for lv in ("fp32", "te")}
-            jobs = [(str(REPO / CONFIG), _overrides(tiny_data, d, lv)) for lv, d in dirs.items()]
+            jobs = [
+                (str(REPO / CONFIG), _overrides(tiny_data, d, lv, paced=False))
+                for lv, d in dirs.items()
+            ]
             pretrain_ranks(2, jobs)
             done.update({lv: logged_losses(d) for lv, d in dirs.items()})
         return done[level]
@@ -85,9 +95,10 @@ def test_signals_save_and_resume_continues_the_run(straight, tiny_data, tmp_path
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
         deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= stopped_at + 3):
+        # One new step logged: the handlers are in and the run is past its start (resumed).
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > stopped_at):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
+            time.sleep(0.02)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
