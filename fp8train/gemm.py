@@ -97,7 +97,8 @@ def scaled_mm_available(device: torch.device | str) -> bool:
 def _fits_scaled_mm(a: Float8Tensor, b: Float8Tensor) -> bool:
     if a.fmt is E5M2 and b.fmt is E5M2:
         return False
-    if a.data.device.type == "cuda":
+    # CUDA's layout rule; also on meta, where a plan (training/planner.py) stands for a GPU.
+    if a.data.device.type in ("cuda", "meta"):
         k, n = a.shape[1], b.shape[0]
         return k % 16 == 0 and n % 16 == 0
     return True

@@ -136,6 +136,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         if chunk_elements < 1:
             raise ValueError(f"chunk_elements={chunk_elements}: must be >= 1")
         self.chunk_elements = chunk_elements
+        # The packed update of ``_add_update_`` (None: where the tensors allow it, in host
+        # memory). False takes an accelerator's path on CPU too: the same bits, more memory
+        # (what a plan of a GPU run is checked against, training/planner.py measure_rank).
+        self.packed_update: bool | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -195,7 +199,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        packed = devices.in_host_memory(neg_step_size)
+        packed = self.packed_update
+        if packed is None:
+            packed = devices.in_host_memory(neg_step_size)
         _add_update_(weights, exp_avgs, denom, neg_step_size, packed)
 
         # Store. The moments used above were the FP32 values; only storage rounds them.

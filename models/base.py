@@ -85,6 +85,7 @@ class ParallelModel(nn.Module, ABC):
         self.ctx = ctx
         self.recipe = ctx.recipe
         self.tp_group = ctx.tp_group
+        self.meter = ctx.meter  # where the tensor-parallel collectives count their bytes
         self.sequence_parallel = ctx.sequence_parallel
         self.pipeline = pipeline or PipelineLayout(config.num_layers)
         if self.pipeline.num_layers != config.num_layers:

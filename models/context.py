@@ -31,7 +31,10 @@ class BuildContext:
     materialize: False builds parallel layers without initialising them (their values are
     filled in afterwards, slice by slice, see ``models.base``). initialize: False leaves the
     whole model's values undefined (no initialisation, no replay): what a plan on fake
-    tensors builds, where only shapes and dtypes count (training/planner.py)."""
+    tensors builds, where only shapes and dtypes count (training/planner.py). meter: the
+    run's ``parallel.comm_meter.CommMeter`` (None: not counted), where every tensor-parallel
+    collective of the model records its bytes, so the run's comm-bytes and a plan see the TP
+    traffic beside the data-parallel and pipeline traffic."""
 
     recipe: PrecisionRecipe | None = None
     scaling: ScalingRecipe | None = None
@@ -40,6 +43,7 @@ class BuildContext:
     sequence_parallel: bool = False
     materialize: bool = field(default=True, compare=False)
     initialize: bool = field(default=True, compare=False)
+    meter: object = field(default=None, compare=False)
 
     def __post_init__(self):
         if tp_size(self.tp_group) == 1:
@@ -55,6 +59,10 @@ class BuildContext:
         """Keywords for ``fp8train.linear.Linear`` and the parallel linears."""
         return dict(recipe=self.recipe, scaling=self.scaling, device=self.device)
 
+    def comm_kwargs(self) -> dict:
+        """Keywords for the tensor-parallel collectives and layers (their meter)."""
+        return {"meter": self.meter}
+
     def check_sequence_split(self, seq_length: int) -> None:
         """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
         if self.sequence_parallel and seq_length % self.tp:
@@ -65,4 +73,4 @@ class BuildContext:
 
     def single(self) -> BuildContext:
         """The same run on one process: no TP, no SP (the reference the slices are cut from)."""
-        return BuildContext(self.recipe, self.scaling, self.device)
+        return BuildContext(self.recipe, self.scaling, self.device, meter=self.meter)

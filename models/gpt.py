@@ -142,8 +142,9 @@ class GPTModel(ParallelModel):
                 self.word_embeddings = nn.Embedding(config.vocab_size, h, device=device)
             else:
                 self.word_embeddings = VocabParallelEmbedding(
-                    config.vocab_size, h, group=group, device=device, skip_init=skip
-                )
+                    config.vocab_size, h, group=group, device=device, skip_init=skip,
+                    meter=ctx.meter,
+                )  # fmt: skip
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, h, device=device)
             if config.position_embedding_type == "learned_absolute" and stage.has_embedding()
@@ -160,7 +161,7 @@ class GPTModel(ParallelModel):
         if not stage.has_head():
             return
         sp_group = group if ctx.sequence_parallel else None
-        self.final_norm = make_norm(config, device=device, sp_group=sp_group)
+        self.final_norm = make_norm(config, device=device, sp_group=sp_group, meter=ctx.meter)
         # recipe=None: the head stays in higher precision (module docstring).
         if not self._tied:
             if group is None:
@@ -169,6 +170,7 @@ class GPTModel(ParallelModel):
                 self.output_layer = ColumnParallelLinear(
                     h, config.vocab_size, group=group, bias=False,
                     sequence_parallel=ctx.sequence_parallel, device=device, skip_init=skip,
+                    meter=ctx.meter,
                 )  # fmt: skip
 
     @property
@@ -307,7 +309,7 @@ class GPTModel(ParallelModel):
         if self.sequence_parallel:
             # From here to the head every rank holds its slice of the sequence: norms, dropout
             # and residuals work on [b, s/tp, h]; the GEMM layers gather and scatter.
-            x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
+            x = scatter_to_region(x, self.tp_group, dim=1, meter=self.meter)  # [b, s/tp, h]
         return x
 
     def _run_layers(
@@ -349,13 +351,15 @@ class GPTModel(ParallelModel):
         if self.output_layer is not None:
             logits = self.output_layer(x)  # [b, s, V/tp]
         else:
+            # [b, s, V/tp]
             logits = vocab_parallel_logits(
-                x, self.word_embeddings.weight, group, sequence_parallel=self.sequence_parallel
-            )  # [b, s, V/tp]
+                x, self.word_embeddings.weight, group,
+                sequence_parallel=self.sequence_parallel, meter=self.meter,
+            )  # fmt: skip
         logits = logits.float()
         if labels is None:
-            return gather_from_region(logits, group, dim=-1)  # [b, s, V]
-        return vocab_parallel_cross_entropy(logits, labels, group)  # [b, s]
+            return gather_from_region(logits, group, dim=-1, meter=self.meter)  # [b, s, V]
+        return vocab_parallel_cross_entropy(logits, labels, group, meter=self.meter)  # [b, s]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once). ``exclude_embeddings`` drops the word and

@@ -126,8 +126,9 @@ class RobertaModel(ParallelModel):
                 self.word_embeddings = nn.Embedding(cfg.vocab_size, h, device=device)
             else:
                 self.word_embeddings = VocabParallelEmbedding(
-                    cfg.vocab_size, h, group=group, device=device, skip_init=skip
-                )
+                    cfg.vocab_size, h, group=group, device=device, skip_init=skip,
+                    meter=ctx.meter,
+                )  # fmt: skip
         if stage.has_embedding():
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h, device=device)
             self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h, device=device)
@@ -192,13 +193,14 @@ class RobertaModel(ParallelModel):
         x = x + self.position_embeddings(positions)  # [b, s, h]
         x = self.dropout(self.embedding_norm(x))
         if self.sequence_parallel:
-            x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
+            x = scatter_to_region(x, self.tp_group, dim=1, meter=self.meter)  # [b, s/tp, h]
         return x
 
     def _heads(self, x: torch.Tensor, labels: torch.Tensor | None) -> dict:
-        group = self.tp_group
+        group, meter = self.tp_group, self.meter
         if self.sequence_parallel:
-            x = gather_from_region(x, group, dim=1)  # [b, s, h]; heads on the whole sequence
+            # The heads run on the whole sequence.
+            x = gather_from_region(x, group, dim=1, meter=meter)  # [b, s, h]
         binary = None
         if self.config.add_binary_head:
             binary = self.binary_head(torch.tanh(self.pooler(x[:, 0]))).float()  # [b, 2]
@@ -211,12 +213,12 @@ class RobertaModel(ParallelModel):
             loss = F.cross_entropy(logits.view(b * s, -1), labels.reshape(b * s), reduction="none")
             correct = (logits.detach().argmax(-1) == labels).float()
             return {"lm": loss.view(b, s), "lm_correct": correct, "binary": binary}
-        logits = vocab_parallel_logits(y, self.word_embeddings.weight, group)  # [b, s, V/tp]
-        logits = self.lm_bias(logits).float()
+        logits = vocab_parallel_logits(y, self.word_embeddings.weight, group, meter=meter)
+        logits = self.lm_bias(logits).float()  # [b, s, V/tp]
         if labels is None:
-            return {"lm": gather_from_region(logits, group, dim=-1), "binary": binary}
-        correct = (vocab_parallel_argmax(logits.detach(), group) == labels).float()
-        loss = vocab_parallel_cross_entropy(logits, labels, group)
+            return {"lm": gather_from_region(logits, group, dim=-1, meter=meter), "binary": binary}
+        correct = (vocab_parallel_argmax(logits.detach(), group, meter=meter) == labels).float()
+        loss = vocab_parallel_cross_entropy(logits, labels, group, meter=meter)
         return {"lm": loss, "lm_correct": correct, "binary": binary}
 
     @property

@@ -160,7 +160,7 @@ def column_linear(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
     return ColumnParallelLinear(
         in_f, out_f, group=ctx.tp_group, bias=bias, blocks=blocks,
         sequence_parallel=ctx.sequence_parallel, skip_init=not ctx.materialize,
-        **ctx.linear_kwargs(),
+        **ctx.linear_kwargs(), **ctx.comm_kwargs(),
     )  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def row_linear(in_f, out_f, bias, ctx: BuildContext):
         return Linear(in_f, out_f, bias, **ctx.linear_kwargs())
     return RowParallelLinear(
         in_f, out_f, group=ctx.tp_group, bias=bias, sequence_parallel=ctx.sequence_parallel,
-        skip_init=not ctx.materialize, **ctx.linear_kwargs(),
+        skip_init=not ctx.materialize, **ctx.linear_kwargs(), **ctx.comm_kwargs(),
     )  # fmt: skip
 
 
@@ -310,35 +310,37 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     ``copy_to_region``, so in backward each rank's partial gradient (from its own tokens) is
     summed over the tensor-parallel group and every rank holds the full gradient."""
 
-    def __init__(self, *args, group, **kwargs):
+    def __init__(self, *args, group, meter=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.group = group
+        self.group, self.meter = group, meter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = (copy_to_region(t, self.group) for t in (self.weight, self.bias))
+        w, b = (copy_to_region(t, self.group, meter=self.meter) for t in (self.weight, self.bias))
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
 class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm on a sequence shard; gradient handling as ``SequenceParallelLayerNorm``."""
 
-    def __init__(self, *args, group, **kwargs):
+    def __init__(self, *args, group, meter=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.group = group
+        self.group, self.meter = group, meter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * copy_to_region(self.weight, self.group).float()).to(x.dtype)
+        weight = copy_to_region(self.weight, self.group, meter=self.meter)
+        return (y * weight.float()).to(x.dtype)
 
 
-def make_norm(config: TransformerConfig, device=None, sp_group=None) -> nn.Module:
-    """The configured norm; ``sp_group``: it runs on sequence shards of that TP group."""
+def make_norm(config: TransformerConfig, device=None, sp_group=None, meter=None) -> nn.Module:
+    """The configured norm; ``sp_group``: it runs on sequence shards of that TP group (its
+    gradient all-reduce counted by ``meter``)."""
     h, eps = config.hidden_size, config.norm_epsilon
     if sp_group is not None:
         if config.normalization == "RMSNorm":
-            return SequenceParallelRMSNorm(h, eps, device=device, group=sp_group)
-        return SequenceParallelLayerNorm(h, eps=eps, device=device, group=sp_group)
+            return SequenceParallelRMSNorm(h, eps, device=device, group=sp_group, meter=meter)
+        return SequenceParallelLayerNorm(h, eps=eps, device=device, group=sp_group, meter=meter)
     if config.normalization == "RMSNorm":
         return RMSNorm(h, eps, device=device)
     return nn.LayerNorm(h, eps=eps, device=device)
@@ -547,18 +549,22 @@ class TransformerLayer(nn.Module):
         check_recompute(recompute)
         self.recompute = recompute
         sp_group = ctx.tp_group if ctx.sequence_parallel else None
+
+        def norm() -> nn.Module:
+            return make_norm(config, device=ctx.device, sp_group=sp_group, meter=ctx.meter)
+
         self.post_norm = config.norm_position == "post"
         if not self.post_norm:
-            self.input_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
+            self.input_norm = norm()
         # Construction order (input norm, attention, norm, MLP, norm) is the RNG draw order
         # of the initialisation: keep it whatever the spec.
         self.attention = spec.attention(
             config, ctx, causal=causal, recompute_core=recompute == "selective"
         )
-        self.post_attention_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
+        self.post_attention_norm = norm()
         self.mlp = spec.mlp(config, ctx)
         if self.post_norm:
-            self.post_mlp_norm = make_norm(config, device=ctx.device, sp_group=sp_group)
+            self.post_mlp_norm = norm()
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = ctx.sequence_parallel
 

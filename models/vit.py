@@ -222,12 +222,12 @@ class ViTModel(ParallelModel):
         if pad:
             x = F.pad(x, (0, 0, 0, pad))  # zero rows, masked out as keys
         if self.sequence_parallel:
-            x = scatter_to_region(x, self.tp_group, dim=1)  # [b, s/tp, h]
+            x = scatter_to_region(x, self.tp_group, dim=1, meter=self.meter)  # [b, s/tp, h]
         return x
 
     def _head(self, x: torch.Tensor) -> dict:
         if self.sequence_parallel:
-            x = gather_from_region(x, self.tp_group, dim=1)  # [b, s, h]
+            x = gather_from_region(x, self.tp_group, dim=1, meter=self.meter)  # [b, s, h]
         cls = self.final_norm(x[:, 0])  # [b, h]: the class token
         return {"logits": self.classifier(cls).float()}  # [b, classes]
 

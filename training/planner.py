@@ -233,6 +233,7 @@ class RankPlan:
     traffic: int  # bytes read and written by the non-GEMM ops
     comm: dict[str, int]  # bytes this rank sends per collective this step
     comm_groups: dict[str, int]  # bytes this rank sends per process group this step
+    wire: dict[str, int]  # the same bytes seen on the collectives as they ran, per kind
     host_reads: int
     build_seconds: float
     step_seconds: float
@@ -278,20 +279,35 @@ def _account_step(account: StepAccount, state, micro_batches: int, rank: int, bu
         traffic=account.traffic,
         comm=dict(stats.comm),
         comm_groups=by_group,
+        wire=dict(account.wire),
         host_reads=account.host_reads,
         build_seconds=built,
         step_seconds=time.perf_counter() - start,
     )
 
 
-def plan_rank(cfg: Config, plan: RunPlan, rank: int, micro_batches: int | None = None):
+def plan_rank(
+    cfg: Config,
+    plan: RunPlan,
+    rank: int,
+    micro_batches: int | None = None,
+    backend: str = "nccl",
+) -> RankPlan:
     """Build rank ``rank`` of ``plan``'s run on meta tensors and run one training step of
     ``micro_batches`` (default: the plan's) micro-batches, counting what it holds, computes
-    and sends. Needs a process without a process group (it makes a fake one)."""
+    and sends. Needs a process without a process group (it makes a fake one). ``backend``:
+    whose collective implementations the step takes (nccl: a GPU run's; gloo: to check a
+    plan against a real CPU run, ``measure_rank``)."""
+    from parallel.tensor_parallel.mappings import fake_group_backend
     from training.setup import build_run  # the heavy imports only when planning
 
     n = micro_batches or plan.micro_batches
-    with fake_world(plan.world_size, rank), flash_attention_on_meta(), MetaStep() as account:
+    with (
+        fake_world(plan.world_size, rank),
+        fake_group_backend(backend),
+        flash_attention_on_meta(),
+        MetaStep() as account,
+    ):
         start = time.perf_counter()
         state = build_run(cfg, plan, planning=True)
         return _account_step(account, state, n, rank, time.perf_counter() - start)
@@ -299,12 +315,16 @@ def plan_rank(cfg: Config, plan: RunPlan, rank: int, micro_batches: int | None =
 
 def measure_rank(cfg: Config, plan: RunPlan, micro_batches: int | None = None) -> RankPlan:
     """The same accounting as ``plan_rank`` for a real run of this process's rank (in the
-    process group torchrun or a test made): the reference a plan is checked against."""
+    process group torchrun or a test made): the reference a plan is checked against. The
+    optimizer takes the accelerator's update path (``LowBitAdamW.packed_update``), as the
+    plan does: the CPU's packed update needs less memory than the GPU run being planned."""
     from training.setup import build_run
 
     n = micro_batches or plan.micro_batches
     with StepAccount() as account:
         start = time.perf_counter()
         state = build_run(cfg, plan)
+        if hasattr(state.optimizer.optimizer, "packed_update"):
+            state.optimizer.optimizer.packed_update = False
         rank = dist.get_rank() if dist.is_initialized() else 0
         return _account_step(account, state, n, rank, time.perf_counter() - start)

@@ -152,11 +152,12 @@ def _keep_padded_vocab(model_config, saved: dict | None, tensor: int):
 
 
 def _build_model(
-    fam, cfg: Config, model_config, layout, groups, device, recipe, initialize: bool = True
+    fam, cfg: Config, model_config, layout, groups, device, recipe, meter, initialize=True
 ) -> ParallelModel:
     """This rank's slice of the family's model on ``device``, in the level's storage, with
-    the dropout streams of its tensor and pipeline position seeded (``initialize``: False
-    leaves the values undefined, see ``BuildContext``)."""
+    the dropout streams of its tensor and pipeline position seeded; its tensor-parallel
+    collectives count their bytes in ``meter`` (``initialize``: False leaves the values
+    undefined, see ``BuildContext``)."""
     topo = groups.topology
     # Same seed on every rank: data-parallel replicas start identical without a broadcast.
     # Under TP the tracker also gets a per-rank stream for dropout on sharded tensors.
@@ -170,6 +171,7 @@ def _build_model(
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
         initialize=initialize,
+        meter=meter,
     )
     model = fam.build_model(model_config, ctx, layout)
     if not isinstance(model, ParallelModel):
@@ -233,8 +235,10 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     saved_structure = resume.saved_structure if resume else None
     model_config = _keep_padded_vocab(model_config, saved_structure, topo.tensor)
 
-    model = _build_model(fam, cfg, model_config, layout, groups, device, recipe, not planning)
     meter = CommMeter()
+    model = _build_model(
+        fam, cfg, model_config, layout, groups, device, recipe, meter, initialize=not planning
+    )
     engine = None
     if layout.is_split:
         engine = PipelineEngine(

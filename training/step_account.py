@@ -23,7 +23,9 @@ The first four are named by the caller (``assign``) from the run's own objects; 
 are seen as the step runs. FLOPs come from each GEMM's shapes (``torch.utils.flop_counter``'s
 formulas, plus the CPU flash-attention kernel), per dtype; memory traffic is the bytes every
 non-GEMM op reads and writes (an in-place op's destination counted as read and written), the
-traffic of an unfused eager step.
+traffic of an unfused eager step. Bytes on the wire are counted from the collectives as they
+run (``wire``: per kind, under ``parallel.comm_meter``'s byte model), independently of the
+``CommMeter`` the run's own code records into: the two must agree.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from parallel.comm_meter import wire_bytes
 
 __all__ = ["CATEGORIES", "MemoryReport", "StepAccount"]
 
@@ -49,6 +53,19 @@ _CPU_FLASH_BWD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 # Allocation without a write: no traffic.
 _NO_TRAFFIC = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                _aten.new_empty.default, _aten.new_empty_strided.default}  # fmt: skip
+# c10d op -> (collective kind, the argument holding the tensors it counts, whether those are
+# one rank's share of the full tensor: a gather's input, a reduce-scatter's output).
+_c10d = torch.ops.c10d
+_WIRE = {
+    _c10d.allreduce_.default: ("all_reduce", 0, False),
+    _c10d.broadcast_.default: ("broadcast", 0, False),
+    _c10d.allgather_.default: ("all_gather", 1, True),
+    _c10d._allgather_base_.default: ("all_gather", 1, True),
+    _c10d.reduce_scatter_.default: ("reduce_scatter", 0, True),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 0, True),
+    _c10d.alltoall_base_.default: ("all_to_all", 1, False),
+    _c10d.send.default: ("send", 0, False),
+}
 
 
 def _tensors(values, found: list) -> list:
@@ -108,6 +125,7 @@ class StepAccount(TorchDispatchMode):
         self.flops: dict[str, float] = defaultdict(float)  # GEMM FLOPs by operand dtype
         self.traffic = 0  # bytes read + written by the non-GEMM ops
         self.host_reads = 0  # values read on the host that a meta step answered (MetaStep)
+        self.wire: dict[str, int] = defaultdict(int)  # bytes this rank sent, by collective kind
         self.step_started = False
 
     # ---- the dispatch hook --------------------------------------------------------------
@@ -122,6 +140,8 @@ class StepAccount(TorchDispatchMode):
         if func.is_view:
             return out
         collective = func.namespace == "c10d"
+        if collective and self.step_started and func in _WIRE:
+            self._count_wire(func, args)
         counted = self.step_started and not collective and func not in _NO_TRAFFIC
         gemm = func._overloadpacket in flop_registry or func in (_CPU_FLASH, _CPU_FLASH_BWD)
         moved = 0
@@ -165,6 +185,24 @@ class StepAccount(TorchDispatchMode):
         self.current += rec.nbytes
         if self.current > self.peak:
             self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, self._phase()
+
+    def _count_wire(self, func, args) -> None:
+        kind, where, share = _WIRE[func]
+        group = next(
+            a for a in args
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())
+        )  # fmt: skip
+        group = torch.distributed.ProcessGroup.unbox(group)
+        world = group.size()
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors((args[where],), []))
+        if kind == "send":
+            self.wire[kind] += nbytes
+        elif kind == "all_to_all":  # all but this rank's own piece leaves (uneven: by splits)
+            rows, splits = args[1].shape[0], args[4]
+            own = splits[group.rank()] if splits else rows // world
+            self.wire[kind] += nbytes - nbytes // rows * own if rows else 0
+        else:
+            self.wire[kind] += wire_bytes(kind, nbytes * world if share else nbytes, world)
 
     def _count_flops(self, func, args, kwargs, out) -> None:
         if func in (_CPU_FLASH, _CPU_FLASH_BWD):

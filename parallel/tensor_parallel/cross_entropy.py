@@ -130,7 +130,9 @@ def vocab_parallel_logits(
 
 
 @torch.no_grad()
-def vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
+def vocab_parallel_argmax(
+    logits: torch.Tensor, group, *, meter: CommMeter | None = None, group_name: str = "tensor"
+) -> torch.Tensor:
     """The full-vocabulary argmax ``[...]`` (int64 ids) of vocab-sharded logits ``[..., V/W]``
     (this rank's slice, in rank order), without gathering them: the largest value over the
     group, then the smallest id holding it (ties resolve as on one rank). Two small
@@ -139,9 +141,9 @@ def vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
         return logits.argmax(-1)
     local_max, local_idx = logits.max(-1)
     best = local_max.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce_(best, dist.ReduceOp.MAX, group, meter, group_name)
     start = group_rank(group) * logits.shape[-1]
     none = torch.iinfo(torch.int64).max
     ids = torch.where(local_max == best, local_idx + start, torch.full_like(local_idx, none))
-    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
+    _all_reduce_(ids, dist.ReduceOp.MIN, group, meter, group_name)
     return ids
