@@ -203,6 +203,113 @@ def layout_check(jobs: list[tuple[str, str]], workers: int | None = None) -> lis
     return compare_all(jobs, real, workers)
 
 
+# ---- rss: the plan against the resident set of a real one-rank run ---------------------
+
+RSS_STEPS = 2
+
+
+def rss_overrides(level: str) -> list[str]:
+    """configs/gpt_125m.yaml at ``level`` with one micro-batch of one 2048-token sequence a
+    step (its 8 x 32 would take an hour a step on 2 cores), FP8 GEMMs through
+    ``torch._scaled_mm`` (as a GPU and the plan run them; "auto" may pick the emulated
+    GEMM on CPU, which makes FP32 copies)."""
+    return [
+        f"precision.level={level}", "precision.fp8_gemm_backend=scaled_mm",
+        "training.micro_batch_size=1", "training.global_batch_size=1",
+    ]  # fmt: skip
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _rss_child(level: str) -> dict:
+    """In a fresh process: the growth of the resident set's high-water mark over building
+    the run and ``RSS_STEPS`` real steps on real data (the optimizer on the accelerator's
+    update path, as in ``measure_rank``)."""
+    import time
+
+    import torch
+
+    from data.sampler import micro_batches
+    from training.config import load_config
+    from training.plan import plan_parallel
+    from training.setup import build_run
+    from training.step import train_step
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = load_config(str(REPO / "configs" / "gpt_125m.yaml"), rss_overrides(level))
+    plan = plan_parallel(cfg, 1)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = _status_kb("VmRSS")
+    start = time.perf_counter()
+    state = build_run(cfg, plan)
+    if hasattr(state.optimizer.optimizer, "packed_update"):
+        state.optimizer.optimizer.packed_update = False
+    data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, 0, 1)
+    marks = [(_status_kb("VmHWM") - base) * 1024]  # after the build, then after each step
+    for _ in range(RSS_STEPS):
+        train_step(state, data, plan.micro_batches)
+        marks.append((_status_kb("VmHWM") - base) * 1024)
+    return {"growth": marks[-1], "marks": marks, "seconds": time.perf_counter() - start}
+
+
+# glibc's allocator keeps freed heap memory for reuse, and its mmap threshold grows with the
+# sizes freed, so tensors of a few MB end up in a heap that never shrinks: the resident set
+# then holds what the process once freed. A fixed threshold gives every allocation of 128 KiB
+# or more a mapping of its own, returned to the kernel when freed: the resident set follows
+# the live tensors. Both are measured.
+ALLOCATORS = {"glibc default": {}, "mmap threshold 128 KiB": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+
+
+def rss_check(levels) -> list[dict]:
+    """Per level: the real run's resident growth (a fresh process for each allocator
+    setting) and the plan's peak of the same run."""
+    import subprocess
+
+    from training.config import load_config
+    from training.plan import plan_parallel
+    from training.planner import plan_rank
+
+    rows = []
+    for level in levels:
+        real = {}
+        for name, env in ALLOCATORS.items():
+            child = subprocess.run(
+                [sys.executable, "-m", "tools.bench_plan", "_rss_child", level],
+                cwd=REPO, capture_output=True, text=True, check=True,
+                env={**os.environ, **env},
+            )  # fmt: skip
+            real[name] = json.loads(child.stdout.strip().splitlines()[-1])
+        cfg = load_config(str(REPO / "configs" / "gpt_125m.yaml"), rss_overrides(level))
+        memory = plan_rank(cfg, plan_parallel(cfg, 1), 0).memory
+        rows.append(
+            {"level": level, "real": real, "plan": memory.peak, "phase": memory.peak_phase,
+             "at_peak": memory.at_peak}
+        )  # fmt: skip
+    return rows
+
+
+def _print_rss(rows: list[dict]) -> None:
+    names = list(ALLOCATORS)
+    head = " | ".join(f"real growth, {n} (GB) | plan / real" for n in names)
+    print(f"| level | plan peak (GB) | {head} | peak phase | plan at the peak (GB) "
+          "| real growth after build, step 1, step 2 (GB, each allocator) |")  # fmt: skip
+    print("|---|---|" + "---|---|" * len(names) + "---|---|---|")
+    for r in rows:
+        parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in r["at_peak"].items() if v)
+        cells = " | ".join(
+            f"{r['real'][n]['growth'] / GB:.3f} | {r['plan'] / r['real'][n]['growth']:.3f}"
+            for n in names
+        )
+        marks = "; ".join(", ".join(f"{m / GB:.2f}" for m in r["real"][n]["marks"]) for n in names)
+        print(f"| {r['level']} | {r['plan'] / GB:.3f} | {cells} | {r['phase']} | {parts} "
+              f"| {marks} |")  # fmt: skip
+
+
 def _print_layouts(rows: list[dict]) -> None:
     print("| family | level | peak: plan vs real (worst rank) | any category (share of peak) "
           "| peak phase | comm-bytes | bytes on the collectives | not metered | FLOPs "
@@ -230,7 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     layouts.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     layouts.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS)
     layouts.add_argument("--jobs", type=int, default=None, help="planning processes")
+    rss = sub.add_parser("rss", help="plan against a real run's resident memory")
+    rss.add_argument("--levels", nargs="+", default=["te", "O2"], choices=LEVELS)
+    child = sub.add_parser("_rss_child")  # one real run, in a fresh process (rss_check)
+    child.add_argument("level", choices=LEVELS)
     args = parser.parse_args(argv)
+    if args.check == "_rss_child":
+        print(json.dumps(_rss_child(args.level)))
+        return 0
+    if args.check == "rss":
+        _print_rss(rss_check(args.levels))
+        return 0
     if args.check == "layouts":
         jobs = [(f, lv) for f in args.families for lv in args.levels]
         rows = layout_check(jobs, args.jobs)

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from parallel.topology import Topology
 from training.config_schema import Config
 from training.plan import RunPlan
-from training.planner import MetaStep, RankPlan, fake_world, plan_rank
+from training.planner import MetaStep, RankPlan, fake_world, plan_rank, plan_steps
 from training.preflight import preflight
 
-__all__ = ["StagePlan", "heaviest_data_rank", "micro_batch_steps", "plan_run", "plan_stage"]
+__all__ = [
+    "StagePlan", "heaviest_data_rank", "micro_batch_steps", "plan_run", "plan_runs", "plan_stage",
+]  # fmt: skip
 
 
 @dataclass
@@ -136,7 +138,7 @@ def plan_stage(cfg: Config, plan: RunPlan, rank: int, exact: bool = False) -> St
     """The plan of ``rank`` at the run's micro-batches (module doc)."""
     steps = None if exact else micro_batch_steps(plan)
     if steps is not None:
-        runs = [plan_rank(cfg, plan, rank, n) for n in steps]
+        runs = plan_steps(cfg, plan, rank, steps)
         if _is_line(runs, plan.micro_batches):
             return StagePlan(_extend(runs, plan.micro_batches), steps)
     return StagePlan(plan_rank(cfg, plan, rank), (plan.micro_batches,))
@@ -160,18 +162,39 @@ def plan_run(
     """Pre-flight ``cfg`` on ``world_size`` ranks (a ``ConfigError`` for a layout the run
     would refuse, same message) and plan ``ranks`` (default: each stage's most loaded rank,
     ``heaviest_data_rank``), in up to ``jobs`` processes (default: one per CPU core)."""
-    plan = preflight(cfg, world_size)
-    for rank in ranks or ():
-        if not 0 <= rank < world_size:
-            raise ValueError(f"--rank {rank}: the run has ranks 0..{world_size - 1}")
-    targets = (
-        [("rank", r) for r in ranks] if ranks else [("stage", s) for s in range(plan.pipeline)]
-    )
-    work = [(cfg, plan, t, exact) for t in targets]
+    return plan_runs([(cfg, world_size, ranks)], exact=exact, jobs=jobs)[0]
+
+
+def plan_runs(
+    runs: list[tuple[Config, int, list[int] | None]],
+    *,
+    exact: bool = False,
+    jobs: int | None = None,
+) -> list[tuple[RunPlan, list[StagePlan]]]:
+    """``plan_run`` of several ``(config, world size, ranks)`` runs, their ranks planned in
+    one pool of up to ``jobs`` processes (tables of several models and levels)."""
+    work, sizes, plans = [], [], []
+    for cfg, world_size, ranks in runs:
+        plan = preflight(cfg, world_size)
+        for rank in ranks or ():
+            if not 0 <= rank < world_size:
+                raise ValueError(f"--rank {rank}: the run has ranks 0..{world_size - 1}")
+        targets = (
+            [("rank", r) for r in ranks] if ranks else [("stage", s) for s in range(plan.pipeline)]
+        )
+        work += [(cfg, plan, t, exact) for t in targets]
+        sizes.append(len(targets))
+        plans.append(plan)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
     if jobs == 1:
-        return plan, [_job(w) for w in work]
-    # spawn: each plan makes its own fake process group, which a forked copy would share.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        return plan, list(pool.map(_job, work))
+        done = [_job(w) for w in work]
+    else:
+        # spawn: each plan makes its own fake process group, which a forked copy would share.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            done = list(pool.map(_job, work))
+    out, start = [], 0
+    for plan, size in zip(plans, sizes):
+        out.append((plan, done[start : start + size]))
+        start += size
+    return out

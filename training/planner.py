@@ -40,6 +40,7 @@ from training.step_account import MemoryReport, StepAccount
 
 __all__ = [
     "MetaStep", "RankPlan", "fake_world", "flash_attention_on_meta", "measure_rank", "plan_rank",
+    "plan_steps",
 ]  # fmt: skip
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -253,37 +254,72 @@ def assign_categories(account: StepAccount, state) -> None:
     account.assign("optimizer", states)
 
 
-def _account_step(account: StepAccount, state, micro_batches: int, rank: int, built: float):
-    """One training step of ``state`` on its family's example batch, under ``account``."""
+WARM_UP_MICRO_BATCHES = 1
+
+
+def _account_steps(account: StepAccount, state, steps, rank: int, built: float):
+    """A warm-up step, then one counted training step of ``state`` per micro-batch count in
+    ``steps``, on its family's example batch, under ``account``. The warm-up is there
+    because a first step is not a typical one: the optimizer creates its states in it (torch
+    and LowBitAdamW alike, on first use), so a first step's backward runs without them, where
+    every later step's holds them."""
     from training.step import train_step
 
     batch = state.family.example_batch(state.model_config, state.cfg.training.micro_batch_size)
-    start = time.perf_counter()
-    account.start_step()
-    with account.saving():
-        stats = train_step(state, repeat(batch), micro_batches)
-    assign_categories(account, state)
+    train_step(state, repeat(batch), WARM_UP_MICRO_BATCHES)
     topo = state.groups.topology
-    by_group: dict[str, int] = {}
-    for (_, group, _), nbytes in state.meter.step_detail().items():
-        by_group[group] = by_group.get(group, 0) + nbytes
-    return RankPlan(
-        rank=rank,
-        stage=topo.pp_rank,
-        tp_rank=topo.tp_rank,
-        dp_rank=topo.dp_rank,
-        parameters=sum(p.numel() for p in state.model.parameters()),
-        micro_batches=micro_batches,
-        memory=account.memory(),
-        flops=dict(account.flops),
-        traffic=account.traffic,
-        comm=dict(stats.comm),
-        comm_groups=by_group,
-        wire=dict(account.wire),
-        host_reads=account.host_reads,
-        build_seconds=built,
-        step_seconds=time.perf_counter() - start,
-    )
+    results = []
+    for n in steps:
+        start = time.perf_counter()
+        account.start_step()
+        with account.saving():
+            stats = train_step(state, repeat(batch), n)
+        assign_categories(account, state)
+        by_group: dict[str, int] = {}
+        for (_, group, _), nbytes in state.meter.step_detail().items():
+            by_group[group] = by_group.get(group, 0) + nbytes
+        results.append(
+            RankPlan(
+                rank=rank,
+                stage=topo.pp_rank,
+                tp_rank=topo.tp_rank,
+                dp_rank=topo.dp_rank,
+                parameters=sum(p.numel() for p in state.model.parameters()),
+                micro_batches=n,
+                memory=account.memory(),
+                flops=dict(account.flops),
+                traffic=account.traffic,
+                comm=dict(stats.comm),
+                comm_groups=by_group,
+                wire=dict(account.wire),
+                host_reads=account.host_reads,
+                build_seconds=built,
+                step_seconds=time.perf_counter() - start,
+            )
+        )
+    return results
+
+
+def plan_steps(
+    cfg: Config, plan: RunPlan, rank: int, steps: tuple[int, ...], backend: str = "nccl"
+) -> list[RankPlan]:
+    """Build rank ``rank`` of ``plan``'s run on meta tensors and, after a warm-up step, run
+    one training step of each micro-batch count in ``steps``, counting what each holds,
+    computes and sends. Needs a process without a process group (it makes a fake one).
+    ``backend``: whose collective implementations the steps take (nccl: a GPU run's; gloo:
+    to check a plan against a real CPU run, ``measure_rank``)."""
+    from parallel.tensor_parallel.mappings import fake_group_backend
+    from training.setup import build_run  # the heavy imports only when planning
+
+    with (
+        fake_world(plan.world_size, rank),
+        fake_group_backend(backend),
+        flash_attention_on_meta(),
+        MetaStep() as account,
+    ):
+        start = time.perf_counter()
+        state = build_run(cfg, plan, planning=True)
+        return _account_steps(account, state, steps, rank, time.perf_counter() - start)
 
 
 def plan_rank(
@@ -293,24 +329,8 @@ def plan_rank(
     micro_batches: int | None = None,
     backend: str = "nccl",
 ) -> RankPlan:
-    """Build rank ``rank`` of ``plan``'s run on meta tensors and run one training step of
-    ``micro_batches`` (default: the plan's) micro-batches, counting what it holds, computes
-    and sends. Needs a process without a process group (it makes a fake one). ``backend``:
-    whose collective implementations the step takes (nccl: a GPU run's; gloo: to check a
-    plan against a real CPU run, ``measure_rank``)."""
-    from parallel.tensor_parallel.mappings import fake_group_backend
-    from training.setup import build_run  # the heavy imports only when planning
-
-    n = micro_batches or plan.micro_batches
-    with (
-        fake_world(plan.world_size, rank),
-        fake_group_backend(backend),
-        flash_attention_on_meta(),
-        MetaStep() as account,
-    ):
-        start = time.perf_counter()
-        state = build_run(cfg, plan, planning=True)
-        return _account_step(account, state, n, rank, time.perf_counter() - start)
+    """``plan_steps`` of one step of ``micro_batches`` (default: the plan's)."""
+    return plan_steps(cfg, plan, rank, (micro_batches or plan.micro_batches,), backend)[0]
 
 
 def measure_rank(cfg: Config, plan: RunPlan, micro_batches: int | None = None) -> RankPlan:
@@ -327,4 +347,4 @@ def measure_rank(cfg: Config, plan: RunPlan, micro_batches: int | None = None) -
         if hasattr(state.optimizer.optimizer, "packed_update"):
             state.optimizer.optimizer.packed_update = False
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return _account_step(account, state, n, rank, time.perf_counter() - start)
+        return _account_steps(account, state, (n,), rank, time.perf_counter() - start)[0]

@@ -216,9 +216,13 @@ class StepAccount(TorchDispatchMode):
     # ---- step boundaries and categories -------------------------------------------------
 
     def start_step(self) -> None:
-        """The step begins: the peak restarts from what is live now (the model states)."""
+        """A step begins: the peak restarts from what is live now (the model states) and the
+        per-step counts (FLOPs, traffic, bytes sent, host reads) from zero."""
         self.step_started = True
         self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, "step start"
+        self.flops.clear()
+        self.traffic = self.host_reads = 0
+        self.wire.clear()
 
     def _phase(self) -> str:
         if not self.step_started:
