@@ -251,6 +251,7 @@ class GradBuffers:
             return
         if bucket.fp8:
             rs = bucket.pending.finish()
+            bucket.pending = None  # its receive buffers go now, not at the next step
             if bucket.bounds is None:
                 finish_allreduce_fp8(bucket.slots, rs, self.group, self.meter, self.group_name)
                 return
@@ -270,6 +271,7 @@ class GradBuffers:
             flat.div_(self.world)
             return
         work, recv = bucket.pending
+        bucket.pending = None  # the receive buffer goes with ``recv``, not at the next step
         work.wait()
         chunk = recv.view(self.world, -1).sum(dim=0).div_(self.world)
         lo = bucket.bounds[self.rank]

@@ -100,7 +100,8 @@ def _extend(runs, n: int) -> RankPlan:
     k = (n - a.micro_batches) / (b.micro_batches - a.micro_batches)
     m = _line(*(_memory_steps(runs)[i] for i in (0, -1)), k)
     peak = m.pop("peak")
-    memory = dataclasses.replace(b.memory, peak=peak, at_peak=m)
+    phases = _line(a.memory.phase_peaks, b.memory.phase_peaks, k)
+    memory = dataclasses.replace(b.memory, peak=peak, at_peak=m, phase_peaks=phases)
     return dataclasses.replace(
         b,
         micro_batches=n,

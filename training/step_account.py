@@ -97,12 +97,14 @@ class _Record:
 class MemoryReport:
     """``peak``: the most bytes live at once during the step; ``at_peak``: those bytes by
     category; ``end``: bytes live when the step ended, by category (what stays between
-    steps); ``peak_phase``: where in the step the peak fell."""
+    steps); ``peak_phase``: where in the step the peak fell; ``phase_peaks``: the most bytes
+    live at once within each phase (forward, backward, the no-grad rest)."""
 
     peak: int
     at_peak: dict[str, int]
     end: dict[str, int]
     peak_phase: str
+    phase_peaks: dict[str, int]
 
 
 class StepAccount(TorchDispatchMode):
@@ -122,6 +124,7 @@ class StepAccount(TorchDispatchMode):
         self.peak = 0
         self.peak_seq = 0
         self._peak_phase = "build"
+        self._phase_peaks: dict[str, int] = {}
         self.flops: dict[str, float] = defaultdict(float)  # GEMM FLOPs by operand dtype
         self.traffic = 0  # bytes read + written by the non-GEMM ops
         self.host_reads = 0  # values read on the host that a meta step answered (MetaStep)
@@ -183,6 +186,10 @@ class StepAccount(TorchDispatchMode):
         rec.ref = weakref.ref(st, freed)
         self._live[key] = rec
         self.current += rec.nbytes
+        if self.step_started:
+            phase = self._phase()
+            if self.current > self._phase_peaks.get(phase, 0):
+                self._phase_peaks[phase] = self.current
         if self.current > self.peak:
             self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, self._phase()
 
@@ -220,6 +227,7 @@ class StepAccount(TorchDispatchMode):
         per-step counts (FLOPs, traffic, bytes sent, host reads) from zero."""
         self.step_started = True
         self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, "step start"
+        self._phase_peaks = {}
         self.flops.clear()
         self.traffic = self.host_reads = 0
         self.wire.clear()
@@ -259,7 +267,7 @@ class StepAccount(TorchDispatchMode):
         for rec in (*self._live.values(), *self._dead):
             if rec.born <= self.peak_seq and (rec.died is None or rec.died > self.peak_seq):
                 at_peak[rec.tag or "temporaries"] += rec.nbytes
-        return MemoryReport(self.peak, at_peak, end, self._peak_phase)
+        return MemoryReport(self.peak, at_peak, end, self._peak_phase, dict(self._phase_peaks))
 
 
 def _cpu_flash_flops(func, args, kwargs) -> float:

@@ -1,0 +1,203 @@
+"""Tables from the planner (training/plan_run.py) at GPU scale: nothing here runs on a GPU.
+
+``python -m tools.plan_tables paper``
+    FP8-LM's GPT table (MS-AMP's docs: H100, Megatron-LM) beside the plan of the same
+    layouts at bf16, te and O3 with the distributed optimizer: memory per GPU (the most
+    loaded stage's peak) and weight-related communication per GPU and step (the weights'
+    all-gather plus the weight gradients' reduce-scatter).
+
+``python -m tools.plan_tables largest``
+    The most layers a GPT of the 1.3B width (configs/gpt_1.3b.yaml: hidden 2048, 16 heads,
+    2048 tokens, full recompute) can have and still fit one 80 GB GPU, and 8 of them as an
+    8-stage pipeline, at bf16, te, O2 and O3: predicted, until a GPU measures it.
+
+Both print markdown tables; every figure is the plan's, nothing is fitted to the paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+__all__ = ["PAPER", "largest", "main", "paper"]
+
+# FP8-LM (Peng et al. 2023), as MS-AMP's docs give it: (config, world size) -> GB per GPU for
+# BF16 / TE / FP8-LM, and weight-related communication in GB for BF16 / FP8.
+PAPER = {
+    "gpt_7b": {"world": 32, "memory": (69.6, 77.3, 49.4), "comm": (37.2, 13.9)},
+    "gpt_13b": {"world": 32, "memory": (68.2, 76.4, 48.9), "comm": (34.3, 12.4)},
+    "gpt_175b": {"world": 128, "memory": (66.1, 69.6, 40.3), "comm": (23.4, 8.2)},
+}
+PAPER_LEVELS = ("bf16", "te", "O3")
+# The collectives that move weights or weight gradients across data-parallel ranks.
+WEIGHT_COMM = ("all_gather_params", "reduce_scatter_", "all_reduce_fp")
+
+
+def _load(name: str, overrides: list[str]):
+    from training.config import load_config
+
+    return load_config(str(REPO / "configs" / f"{name}.yaml"), overrides)
+
+
+def weight_comm(comm: dict[str, float]) -> float:
+    """Bytes of the weight-related collectives in a rank's ``comm`` (bytes per collective)."""
+    return sum(v for k, v in comm.items() if k.startswith(WEIGHT_COMM))
+
+
+def paper(jobs: int | None = None) -> list[dict]:
+    """One row per (model, level): the most loaded stage's peak and weight communication."""
+    from training.plan_run import plan_runs
+
+    runs, keys = [], []
+    for name, ref in PAPER.items():
+        for level in PAPER_LEVELS:
+            cfg = _load(name, [f"precision.level={level}", "optimizer.distributed=true"])
+            runs.append((cfg, ref["world"], None))
+            keys.append((name, level, cfg))
+    rows = []
+    for (name, level, cfg), (plan, stages) in zip(keys, plan_runs(runs, jobs=jobs)):
+        worst = max(stages, key=lambda s: s.result.memory.peak).result
+        ref = PAPER[name]
+        rows.append({
+            "model": name, "level": level,
+            "layout": f"TP{plan.tensor} PP{plan.pipeline} DP{plan.data}",
+            "micro_batch": cfg.training.micro_batch_size,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
+            "peak": worst.memory.peak, "stage": worst.stage, "at_peak": worst.memory.at_peak,
+            "weight_comm": max(weight_comm(s.result.comm) for s in stages),
+            "paper_memory": ref["memory"][PAPER_LEVELS.index(level)],
+            "paper_comm": ref["comm"][0] if level == "bf16" else (
+                ref["comm"][1] if level == "O3" else None),
+        })  # fmt: skip
+    return rows
+
+
+def _print_paper(rows: list[dict]) -> None:
+    print(
+        "| model | layout | level | plan: GB per GPU (stage) | FP8-LM: GB per GPU "
+        "| plan at the peak (GB) | plan: weight comm GB/step | FP8-LM: weight comm GB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["at_peak"].items() if v >= 0.05 * GB)
+        paper_comm = "-" if r["paper_comm"] is None else f"{r['paper_comm']:.1f}"
+        print(f"| {r['model']} | {r['layout']}, mbs {r['micro_batch']}"
+              f"{', SP' if r['sequence_parallel'] else ''} | {r['level']} "
+              f"| {r['peak'] / GB:.1f} ({r['stage']}) | {r['paper_memory']:.1f} | {parts} "
+              f"| {r['weight_comm'] / GB:.1f} | {paper_comm} |")  # fmt: skip
+
+
+# ---- largest: how many layers fit -------------------------------------------------------
+
+CAPACITY = 80e9  # bytes per GPU: "80 GB" (an H100 has 80 GiB, less what CUDA and NCCL take)
+LARGEST_LEVELS = ("bf16", "te", "O2", "O3")
+# name -> data-parallel ranks (the distributed optimizer shards the optimizer over them)
+SETUPS = {"1 GPU": 1, "8 GPUs, data parallel, distributed optimizer": 8}
+
+
+def _largest_cfg(level: str, data: int, layers: int):
+    """configs/gpt_1.3b.yaml at ``level`` with ``layers`` layers and full recompute, one
+    micro-batch of 4 x 2048 tokens per rank a step (more per step change only their few
+    kilobytes of token ids), the distributed optimizer over ``data`` ranks."""
+    mbs = 4  # the config's
+    return _load("gpt_1.3b", [
+        f"precision.level={level}", "model.recompute=full", f"model.num_layers={layers}",
+        f"training.micro_batch_size={mbs}", f"training.global_batch_size={mbs * data}",
+        f"optimizer.distributed={'true' if data > 1 else 'false'}",
+    ])  # fmt: skip
+
+
+def _peaks(points: list[tuple[str, int, int]], jobs) -> list[tuple[int, str]]:
+    """The planned peak and its phase of each (level, data ranks, layers), in one pool."""
+    from training.plan_run import plan_runs
+
+    runs = [(_largest_cfg(level, data, layers), data, None) for level, data, layers in points]
+    out = []
+    for _, stages in plan_runs(runs, exact=True, jobs=jobs):
+        memory = stages[0].result.memory
+        out.append((memory.peak, memory.peak_phase))
+    return out
+
+
+def largest(jobs: int | None = None) -> list[dict]:
+    """Per setup and level: the most layers whose planned peak fits ``CAPACITY``. Each layer
+    adds the same weights, states and checkpointed input, so the peak is a line in the
+    layers: three plans (2, 3, 4 layers) give it and check it is one (``bend``: the second
+    difference, as a share of the step); the answer it gives is then planned itself, and one
+    layer more, so the table shows a planned fit and a planned miss (stepping down while the
+    answer does not fit)."""
+    keys = [(setup, level) for setup in SETUPS for level in LARGEST_LEVELS]
+    small = _peaks([(lv, SETUPS[st], k) for st, lv in keys for k in (2, 3, 4)], jobs)
+    rows = []
+    for i, (setup, level) in enumerate(keys):
+        p2, p3, p4 = (small[3 * i + j][0] for j in range(3))
+        per_layer = (p4 - p2) / 2
+        layers = max(1, int((CAPACITY - p2) // per_layer) + 2)
+        rows.append({"setup": setup, "level": level, "layers": layers, "per_layer": per_layer,
+                     "bend": abs(p4 - 2 * p3 + p2) / per_layer})  # fmt: skip
+    pending = rows
+    while pending:
+        points = [(r["level"], SETUPS[r["setup"]], n) for r in pending
+                  for n in (r["layers"], r["layers"] + 1)]  # fmt: skip
+        found = _peaks(points, jobs)
+        again = []
+        for j, r in enumerate(pending):
+            (fit, phase), (over, _) = found[2 * j], found[2 * j + 1]
+            if fit > CAPACITY and r["layers"] > 1:  # the line was optimistic: step down
+                r["layers"] -= 1
+                again.append(r)
+                continue
+            r.update(peak=fit, phase=phase, next=over, parameters=_parameters(r["layers"]))
+        pending = again
+    return rows
+
+
+def _parameters(layers: int) -> int:
+    """A GPT's parameter count at ``layers`` layers: per layer the QKV and output
+    projections, the 4h MLP, their biases and two norms (12h^2 + 13h); the tied embedding,
+    the learned positions and the final norm once."""
+    from families.base import get_family
+
+    cfg = _largest_cfg("bf16", 1, layers)
+    config = get_family(cfg.family).planned_model_config(cfg, 1)
+    h = config.hidden_size
+    positions = config.max_position_embeddings or config.seq_length
+    embeddings = (config.vocab_size + positions) * h
+    return layers * (12 * h * h + 13 * h) + embeddings + 2 * h
+
+
+def _print_largest(rows: list[dict]) -> None:
+    print(f"Predicted (plan only, capacity {CAPACITY / GB:.0f} GB per GPU):")
+    print("| setup | level | layers | parameters | planned peak (GB) | phase "
+          "| one layer more (GB) | GB per layer | line bend |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['setup']} | {r['level']} | {r['layers']} | {r['parameters'] / 1e9:.2f} B "
+            f"| {r['peak'] / GB:.1f} | {r['phase']} | {r['next'] / GB:.1f} "
+            f"| {r['per_layer'] / GB:.3f} | {r['bend']:.1e} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.plan_tables",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("table", choices=("paper", "largest"))
+    parser.add_argument("--jobs", type=int, default=None, help="planning processes")
+    args = parser.parse_args(argv)
+    if args.table == "paper":
+        _print_paper(paper(args.jobs))
+    else:
+        _print_largest(largest(args.jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
