@@ -61,14 +61,20 @@ def paper(jobs: int | None = None) -> list[dict]:
     rows = []
     for (name, level, cfg), (plan, stages) in zip(keys, plan_runs(runs, jobs=jobs)):
         worst = max(stages, key=lambda s: s.result.memory.peak).result
-        ref = PAPER[name]
+        ref, dp = PAPER[name], plan.data
+        # A mean data-parallel rank sends (W-1)/W of every weight and every gradient of its
+        # slice (the planned rank, the most loaded, owns more than 1/W of them).
+        end = worst.memory.end
         rows.append({
             "model": name, "level": level,
-            "layout": f"TP{plan.tensor} PP{plan.pipeline} DP{plan.data}",
+            "layout": f"TP{plan.tensor} PP{plan.pipeline} DP{dp}",
             "micro_batch": cfg.training.micro_batch_size,
             "sequence_parallel": cfg.parallel.sequence_parallel,
-            "peak": worst.memory.peak, "stage": worst.stage, "at_peak": worst.memory.at_peak,
+            "peak": worst.memory.peak, "phase": worst.memory.peak_phase, "stage": worst.stage,
+            "backward": worst.memory.phase_peaks.get("backward", 0),
+            "at_peak": worst.memory.at_peak,
             "weight_comm": max(weight_comm(s.result.comm) for s in stages),
+            "weight_comm_mean": (dp - 1) / dp * (end["weights"] + end["grads"]),
             "paper_memory": ref["memory"][PAPER_LEVELS.index(level)],
             "paper_comm": ref["comm"][0] if level == "bf16" else (
                 ref["comm"][1] if level == "O3" else None),
@@ -78,17 +84,20 @@ def paper(jobs: int | None = None) -> list[dict]:
 
 def _print_paper(rows: list[dict]) -> None:
     print(
-        "| model | layout | level | plan: GB per GPU (stage) | FP8-LM: GB per GPU "
-        "| plan at the peak (GB) | plan: weight comm GB/step | FP8-LM: weight comm GB |"
+        "| model | layout | level | plan: GB per GPU (stage, phase) | plan: backward peak "
+        "| FP8-LM: GB per GPU | plan at the peak (GB) | plan: weight comm GB/step, this rank "
+        "| mean rank | FP8-LM: weight comm GB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["at_peak"].items() if v >= 0.05 * GB)
         paper_comm = "-" if r["paper_comm"] is None else f"{r['paper_comm']:.1f}"
+        phase = r["phase"].split(" ")[0]
         print(f"| {r['model']} | {r['layout']}, mbs {r['micro_batch']}"
               f"{', SP' if r['sequence_parallel'] else ''} | {r['level']} "
-              f"| {r['peak'] / GB:.1f} ({r['stage']}) | {r['paper_memory']:.1f} | {parts} "
-              f"| {r['weight_comm'] / GB:.1f} | {paper_comm} |")  # fmt: skip
+              f"| {r['peak'] / GB:.1f} ({r['stage']}, {phase}) | {r['backward'] / GB:.1f} "
+              f"| {r['paper_memory']:.1f} | {parts} | {r['weight_comm'] / GB:.1f} "
+              f"| {r['weight_comm_mean'] / GB:.1f} | {paper_comm} |")  # fmt: skip
 
 
 # ---- largest: how many layers fit -------------------------------------------------------

@@ -80,11 +80,20 @@ def train_step(
     ``grad_hook(state)``: called once the gradients are final (summed over pipeline copies,
     averaged over replicas, unscaled) and before clipping; tests read them there.
     """
-    opt, scaler = state.optimizer, state.scaler
     batches = [_to_device(next(data_iter), state.device) for _ in range(n_micro)]
     state.meter.reset_step()
-    opt.buffers.start_step(n_micro)  # buckets reduce as backward fills them
+    state.optimizer.buffers.start_step(n_micro)  # buckets reduce as backward fills them
     loss_and_tokens = forward_backward(state, batches, health=health)
+    # Nothing after backward needs autograd: without it the step records no graph, and an
+    # account of the step (training/step_account.py) sees these ops outside "forward".
+    with torch.no_grad():
+        return _after_backward(state, loss_and_tokens, health, grad_hook)
+
+
+def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -> StepStats:
+    """The step once backward has run: the gradients' reduction, unscaling, clipping, the
+    optimizer, and the step's statistics."""
+    opt, scaler = state.optimizer, state.scaler
     # Wait for the buckets; the tied embedding's two pipeline copies are summed before its
     # own (held-back) bucket is averaged over the replicas.
     opt.buffers.finish(before_held=lambda: _sync_shared_embedding(state))
