@@ -137,8 +137,8 @@ def largest(jobs: int | None = None) -> list[dict]:
     adds the same weights, states and checkpointed input, so the peak is a line in the
     layers: three plans (2, 3, 4 layers) give it and check it is one (``bend``: the second
     difference, as a share of the step); the answer it gives is then planned itself, and one
-    layer more, so the table shows a planned fit and a planned miss (stepping down while the
-    answer does not fit)."""
+    layer more, so the table shows a planned fit and a planned miss (where the answer does
+    not fit, the line from 4 layers to it gives the next guess)."""
     keys = [(setup, level) for setup in SETUPS for level in LARGEST_LEVELS]
     small = _peaks([(lv, SETUPS[st], k) for st, lv in keys for k in (2, 3, 4)], jobs)
     rows = []
@@ -147,7 +147,7 @@ def largest(jobs: int | None = None) -> list[dict]:
         per_layer = (p4 - p2) / 2
         layers = max(1, int((CAPACITY - p2) // per_layer) + 2)
         rows.append({"setup": setup, "level": level, "layers": layers, "per_layer": per_layer,
-                     "bend": abs(p4 - 2 * p3 + p2) / per_layer})  # fmt: skip
+                     "bend": abs(p4 - 2 * p3 + p2) / per_layer, "p4": p4})  # fmt: skip
     pending = rows
     while pending:
         points = [(r["level"], SETUPS[r["setup"]], n) for r in pending
@@ -156,8 +156,12 @@ def largest(jobs: int | None = None) -> list[dict]:
         again = []
         for j, r in enumerate(pending):
             (fit, phase), (over, _) = found[2 * j], found[2 * j + 1]
-            if fit > CAPACITY and r["layers"] > 1:  # the line was optimistic: step down
-                r["layers"] -= 1
+            if fit > CAPACITY and r["layers"] > 1:
+                # The line from 2-4 layers was optimistic: take the line from 4 layers to
+                # this miss instead (at least one layer fewer) and plan again.
+                slope = (fit - r["p4"]) / max(1, r["layers"] - 4)
+                guess = 4 + int((CAPACITY - r["p4"]) // slope)
+                r["layers"] = max(1, min(r["layers"] - 1, guess))
                 again.append(r)
                 continue
             r.update(peak=fit, phase=phase, next=over, parameters=_parameters(r["layers"]))
