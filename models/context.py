@@ -59,10 +59,6 @@ class BuildContext:
         """Keywords for ``fp8train.linear.Linear`` and the parallel linears."""
         return dict(recipe=self.recipe, scaling=self.scaling, device=self.device)
 
-    def comm_kwargs(self) -> dict:
-        """Keywords for the tensor-parallel collectives and layers (their meter)."""
-        return {"meter": self.meter}
-
     def check_sequence_split(self, seq_length: int) -> None:
         """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
         if self.sequence_parallel and seq_length % self.tp:

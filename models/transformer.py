@@ -160,7 +160,7 @@ def column_linear(in_f, out_f, bias, ctx: BuildContext, blocks: int = 1):
     return ColumnParallelLinear(
         in_f, out_f, group=ctx.tp_group, bias=bias, blocks=blocks,
         sequence_parallel=ctx.sequence_parallel, skip_init=not ctx.materialize,
-        **ctx.linear_kwargs(), **ctx.comm_kwargs(),
+        meter=ctx.meter, **ctx.linear_kwargs(),
     )  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def row_linear(in_f, out_f, bias, ctx: BuildContext):
         return Linear(in_f, out_f, bias, **ctx.linear_kwargs())
     return RowParallelLinear(
         in_f, out_f, group=ctx.tp_group, bias=bias, sequence_parallel=ctx.sequence_parallel,
-        skip_init=not ctx.materialize, **ctx.linear_kwargs(), **ctx.comm_kwargs(),
+        skip_init=not ctx.materialize, meter=ctx.meter, **ctx.linear_kwargs(),
     )  # fmt: skip
 
 

@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -77,12 +76,6 @@ def theory_bytes(level: str, world: int, distributed: bool) -> float:
     r = get_recipe(level)
     sharded = (_SIZE[r.master_weight] if r.master_weight else 0) + _SIZE[r.adam_m] + _SIZE[r.adam_v]
     return _SIZE[r.weight] + _SIZE[r.weight_grad] + sharded / (world if distributed else 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _overrides(level: str, distributed: bool, args) -> list[str]:
@@ -150,7 +143,7 @@ def measure(level: str, distributed: bool, args) -> dict:
         # instead of importing them again each (many seconds with 4 ranks on 2 cores).
         context = mp.start_processes(
             _worker,
-            args=(world, _free_port(), _overrides(level, distributed, args), args, tmp),
+            args=(world, bench_docs.free_port(), _overrides(level, distributed, args), args, tmp),
             nprocs=world,
             join=False,
             start_method="fork",

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: put a block of generated text into docs/BENCHMARKS.md.
+"""Shared by the benchmark scripts: put a block of generated text into docs/BENCHMARKS.md
+(and a free local port for the gloo workers some of them start).
 
 Each script owns a pair of HTML comment markers (``<!-- name:begin -->`` ...
 ``<!-- name:end -->``); only the text between them is rewritten, so the prose around a table
@@ -11,7 +12,16 @@ import datetime
 import os
 from pathlib import Path
 
-__all__ = ["markers", "measured_with", "write_section"]
+__all__ = ["free_port", "markers", "measured_with", "report", "write_section"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def measured_with(
@@ -50,3 +60,25 @@ def write_section(doc: Path, body: str, tag: str, heading: str | None = None) ->
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
+
+
+def report(
+    text: str,
+    write: str | None,
+    tag: str,
+    script: str,
+    argv: list[str],
+    started: float,
+    load_before: float,
+) -> None:
+    """Print a benchmark's ``text``; with ``write`` (a markdown file) also put it there, in
+    block ``tag``, after the ``measured_with`` opening. ``started``: ``time.monotonic()`` at
+    the start; ``load_before``: the 1-minute load average then."""
+    import time
+
+    print(text)
+    if write:
+        opening = measured_with(
+            script, argv, time.monotonic() - started, load_before, os.getloadavg()[0]
+        )
+        write_section(Path(write), f"{opening}.\n\n{text}", tag)

@@ -31,8 +31,11 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from tools import bench_docs
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("gpt", "roberta", "vit")
@@ -40,7 +43,10 @@ LEVELS = ("fp32", "bf16", "te", "O1", "O2", "O3")
 WORLD = 8
 GB = 1e9
 
-__all__ = ["compare_all", "layout_check", "layout_overrides", "main", "read_real"]
+__all__ = [
+    "compare_all", "layout_check", "layout_overrides", "layouts_table", "main", "read_real",
+    "rss_check", "rss_table",
+]  # fmt: skip
 
 
 def layout_overrides(family: str, level: str) -> list[str]:
@@ -94,24 +100,14 @@ def _real_worker(rank: int, world: int, port: int, jobs: list, out: str) -> None
     destroy_distributed()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def real_runs(jobs: list[tuple[str, str]], out: str, timeout: float = 900) -> None:
     """Every job's real step on ``WORLD`` gloo processes; results in ``out``."""
     import torch.multiprocessing as mp
 
     context = mp.start_processes(
-        _real_worker, args=(WORLD, _free_port(), jobs, out), nprocs=WORLD, join=False,
+        _real_worker, args=(WORLD, bench_docs.free_port(), jobs, out), nprocs=WORLD, join=False,
         start_method="spawn",
     )  # fmt: skip
-    import time
-
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -230,13 +226,12 @@ def _rss_child(level: str) -> dict:
     """In a fresh process: the growth of the resident set's high-water mark over building
     the run and ``RSS_STEPS`` real steps on real data (the optimizer on the accelerator's
     update path, as in ``measure_rank``)."""
-    import time
-
     import torch
 
     from data.sampler import micro_batches
     from training.config import load_config
     from training.plan import plan_parallel
+    from training.planner import accelerator_update
     from training.setup import build_run
     from training.step import train_step
 
@@ -247,8 +242,7 @@ def _rss_child(level: str) -> dict:
     base = _status_kb("VmRSS")
     start = time.perf_counter()
     state = build_run(cfg, plan)
-    if hasattr(state.optimizer.optimizer, "packed_update"):
-        state.optimizer.optimizer.packed_update = False
+    accelerator_update(state)
     data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, 0, 1)
     marks = [(_status_kb("VmHWM") - base) * 1024]  # after the build, then after each step
     for _ in range(RSS_STEPS):
@@ -293,12 +287,14 @@ def rss_check(levels) -> list[dict]:
     return rows
 
 
-def _print_rss(rows: list[dict]) -> None:
+def rss_table(rows: list[dict]) -> str:
     names = list(ALLOCATORS)
     head = " | ".join(f"real growth, {n} (GB) | plan / real" for n in names)
-    print(f"| level | plan peak (GB) | {head} | peak phase | plan at the peak (GB) "
-          "| real growth after build, step 1, step 2 (GB, each allocator) |")  # fmt: skip
-    print("|---|---|" + "---|---|" * len(names) + "---|---|---|")
+    lines = [
+        f"| level | plan peak (GB) | {head} | peak phase | plan at the peak (GB) "
+        "| real growth after build, step 1, step 2 (GB, each allocator) |",
+        "|---|---|" + "---|---|" * len(names) + "---|---|---|",
+    ]
     for r in rows:
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in r["at_peak"].items() if v)
         cells = " | ".join(
@@ -306,24 +302,28 @@ def _print_rss(rows: list[dict]) -> None:
             for n in names
         )
         marks = "; ".join(", ".join(f"{m / GB:.2f}" for m in r["real"][n]["marks"]) for n in names)
-        print(f"| {r['level']} | {r['plan'] / GB:.3f} | {cells} | {r['phase']} | {parts} "
-              f"| {marks} |")  # fmt: skip
+        lines.append(f"| {r['level']} | {r['plan'] / GB:.3f} | {cells} | {r['phase']} | {parts} "
+                     f"| {marks} |")  # fmt: skip
+    return "\n".join(lines)
 
 
-def _print_layouts(rows: list[dict]) -> None:
-    print("| family | level | peak: plan vs real (worst rank) | any category (share of peak) "
-          "| peak phase | comm-bytes | bytes on the collectives | not metered | FLOPs "
-          "| all ranks' FLOPs vs formula | planned peaks by rank (MB) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+def layouts_table(rows: list[dict]) -> str:
+    same = {True: "equal", False: "DIFFER"}
+    lines = [
+        "| family | level | peak: plan vs real (worst rank) | any category (share of peak) "
+        "| peak phase | comm-bytes | bytes on the collectives | not metered | FLOPs "
+        "| all ranks' FLOPs vs formula | planned peaks by rank (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        same = {True: "equal", False: "DIFFER"}
-        print(
+        lines.append(
             f"| {row['family']} | {row['level']} | {row['peak_gap']:.3%} "
             f"| {row['category_gap']:.3%} | {same[row['phase_equal']]} "
             f"| {same[row['comm_equal']]} | {same[row['wire_equal']]} "
             f"| {row['unmetered_bytes']} B | {same[row['flops_equal']]} "
             f"| {row['flops_vs_formula']:+.2%} | {' '.join(map(str, row['peaks_mb']))} |"
         )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,21 +339,27 @@ def main(argv: list[str] | None = None) -> int:
     layouts.add_argument("--jobs", type=int, default=None, help="planning processes")
     rss = sub.add_parser("rss", help="plan against a real run's resident memory")
     rss.add_argument("--levels", nargs="+", default=["te", "O2"], choices=LEVELS)
+    for check in (layouts, rss):
+        check.add_argument("--write", help="markdown file to put the table into")
     child = sub.add_parser("_rss_child")  # one real run, in a fresh process (rss_check)
     child.add_argument("level", choices=LEVELS)
     args = parser.parse_args(argv)
     if args.check == "_rss_child":
         print(json.dumps(_rss_child(args.level)))
         return 0
+    started, load = time.monotonic(), os.getloadavg()[0]
+    argv = sys.argv[1:] if argv is None else argv
+    tag = f"bench_plan_{args.check}"
     if args.check == "rss":
-        _print_rss(rss_check(args.levels))
+        text = rss_table(rss_check(args.levels))
+        bench_docs.report(text, args.write, tag, "-m tools.bench_plan", argv, started, load)
         return 0
-    if args.check == "layouts":
-        jobs = [(f, lv) for f in args.families for lv in args.levels]
-        rows = layout_check(jobs, args.jobs)
-        _print_layouts(rows)
-        return 0 if all(r["comm_equal"] and r["flops_equal"] for r in rows) else 1
-    return 2
+    jobs = [(f, lv) for f in args.families for lv in args.levels]
+    rows = layout_check(jobs, args.jobs)
+    bench_docs.report(
+        layouts_table(rows), args.write, tag, "-m tools.bench_plan", argv, started, load
+    )
+    return 0 if all(r["comm_equal"] and r["flops_equal"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -65,12 +64,6 @@ MODES = ("sync", "async")
 CONFIG = "configs/gpt_tiny.yaml"
 TAG = "bench_save"
 HEADING = "## Checkpoint saving: step stall, synchronous against asynchronous (CPU)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _overrides(args, out: str) -> list[str]:
@@ -159,7 +152,7 @@ def measure(args) -> tuple[list[dict], float]:
     0's writer state). Also returns the megabytes one checkpoint holds."""
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(
-            _worker, args=(args.world, _free_port(), args, out), nprocs=args.world,
+            _worker, args=(args.world, bench_docs.free_port(), args, out), nprocs=args.world,
             join=False, start_method="fork",
         )  # fmt: skip
         deadline = time.monotonic() + args.timeout

@@ -17,13 +17,17 @@ Both print markdown tables; every figure is the plan's, nothing is fitted to the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
+
+from tools import bench_docs
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
 
-__all__ = ["PAPER", "largest", "main", "paper"]
+__all__ = ["PAPER", "largest", "largest_table", "main", "paper", "paper_table"]
 
 # FP8-LM (Peng et al. 2023), as MS-AMP's docs give it: (config, world size) -> GB per GPU for
 # BF16 / TE / FP8-LM, and weight-related communication in GB for BF16 / FP8.
@@ -82,22 +86,25 @@ def paper(jobs: int | None = None) -> list[dict]:
     return rows
 
 
-def _print_paper(rows: list[dict]) -> None:
-    print(
+def paper_table(rows: list[dict]) -> str:
+    lines = [
         "| model | layout | level | plan: GB per GPU (stage, phase) | plan: backward peak "
         "| FP8-LM: GB per GPU | plan at the peak (GB) | plan: weight comm GB/step, this rank "
-        "| mean rank | FP8-LM: weight comm GB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        "| mean rank | FP8-LM: weight comm GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["at_peak"].items() if v >= 0.05 * GB)
         paper_comm = "-" if r["paper_comm"] is None else f"{r['paper_comm']:.1f}"
         phase = r["phase"].split(" ")[0]
-        print(f"| {r['model']} | {r['layout']}, mbs {r['micro_batch']}"
-              f"{', SP' if r['sequence_parallel'] else ''} | {r['level']} "
-              f"| {r['peak'] / GB:.1f} ({r['stage']}, {phase}) | {r['backward'] / GB:.1f} "
-              f"| {r['paper_memory']:.1f} | {parts} | {r['weight_comm'] / GB:.1f} "
-              f"| {r['weight_comm_mean'] / GB:.1f} | {paper_comm} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['layout']}, mbs {r['micro_batch']}"
+            f"{', SP' if r['sequence_parallel'] else ''} | {r['level']} "
+            f"| {r['peak'] / GB:.1f} ({r['stage']}, {phase}) | {r['backward'] / GB:.1f} "
+            f"| {r['paper_memory']:.1f} | {parts} | {r['weight_comm'] / GB:.1f} "
+            f"| {r['weight_comm_mean'] / GB:.1f} | {paper_comm} |"
+        )
+    return "\n".join(lines)
 
 
 # ---- largest: how many layers fit -------------------------------------------------------
@@ -183,17 +190,21 @@ def _parameters(layers: int) -> int:
     return layers * (12 * h * h + 13 * h) + embeddings + 2 * h
 
 
-def _print_largest(rows: list[dict]) -> None:
-    print(f"Predicted (plan only, capacity {CAPACITY / GB:.0f} GB per GPU):")
-    print("| setup | level | layers | parameters | planned peak (GB) | phase "
-          "| one layer more (GB) | GB per layer | line bend |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+def largest_table(rows: list[dict]) -> str:
+    lines = [
+        f"Predicted (plan only, capacity {CAPACITY / GB:.0f} GB per GPU):",
+        "",
+        "| setup | level | layers | parameters | planned peak (GB) | phase "
+        "| one layer more (GB) | GB per layer | line bend |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        print(
+        lines.append(
             f"| {r['setup']} | {r['level']} | {r['layers']} | {r['parameters'] / 1e9:.2f} B "
             f"| {r['peak'] / GB:.1f} | {r['phase']} | {r['next'] / GB:.1f} "
             f"| {r['per_layer'] / GB:.3f} | {r['bend']:.1e} |"
         )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("table", choices=("paper", "largest"))
     parser.add_argument("--jobs", type=int, default=None, help="planning processes")
+    parser.add_argument("--write", help="markdown file to put the table into")
     args = parser.parse_args(argv)
-    if args.table == "paper":
-        _print_paper(paper(args.jobs))
-    else:
-        _print_largest(largest(args.jobs))
+    started, load = time.monotonic(), os.getloadavg()[0]
+    text = paper_table(paper(args.jobs)) if args.table == "paper" else largest_table(
+        largest(args.jobs))  # fmt: skip
+    bench_docs.report(
+        text, args.write, f"plan_tables_{args.table}", "-m tools.plan_tables",
+        sys.argv[1:] if argv is None else argv, started, load,
+    )  # fmt: skip
     return 0
 
 

@@ -39,8 +39,8 @@ from training.plan import RunPlan
 from training.step_account import MemoryReport, StepAccount
 
 __all__ = [
-    "MetaStep", "RankPlan", "fake_world", "flash_attention_on_meta", "measure_rank", "plan_rank",
-    "plan_steps",
+    "MetaStep", "RankPlan", "accelerator_update", "fake_world", "flash_attention_on_meta",
+    "measure_rank", "plan_rank", "plan_steps",
 ]  # fmt: skip
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -333,18 +333,24 @@ def plan_rank(
     return plan_steps(cfg, plan, rank, (micro_batches or plan.micro_batches,), backend)[0]
 
 
+def accelerator_update(state) -> None:
+    """Make a real run's optimizer take the update path a GPU takes, and a plan executes
+    (``LowBitAdamW.packed_update``): on CPU the packed update forms no FP32 products and so
+    needs less memory than the GPU run a plan is of. The same bits either way."""
+    if hasattr(state.optimizer.optimizer, "packed_update"):
+        state.optimizer.optimizer.packed_update = False
+
+
 def measure_rank(cfg: Config, plan: RunPlan, micro_batches: int | None = None) -> RankPlan:
     """The same accounting as ``plan_rank`` for a real run of this process's rank (in the
     process group torchrun or a test made): the reference a plan is checked against. The
-    optimizer takes the accelerator's update path (``LowBitAdamW.packed_update``), as the
-    plan does: the CPU's packed update needs less memory than the GPU run being planned."""
+    optimizer takes the accelerator's update path (``accelerator_update``), as the plan does."""
     from training.setup import build_run
 
     n = micro_batches or plan.micro_batches
     with StepAccount() as account:
         start = time.perf_counter()
         state = build_run(cfg, plan)
-        if hasattr(state.optimizer.optimizer, "packed_update"):
-            state.optimizer.optimizer.packed_update = False
+        accelerator_update(state)
         rank = dist.get_rank() if dist.is_initialized() else 0
         return _account_steps(account, state, (n,), rank, time.perf_counter() - start)[0]
