@@ -7,10 +7,12 @@ FP16 master and its moments each carry one per-tensor scale, and a scale must ne
 The same rule at every level keeps one code path; with many tensors the balance is close to even
 (``ownership_balance`` reports it).
 
-After the owners step, ``gather_params`` sends every owner's updated weights to the other ranks
+After the owners step, ``ParamGather`` sends every owner's updated weights to the other ranks
 in the weights' own storage (FP8 bytes at O3, scaled FP16 at O1/O2, FP32 or BF16 otherwise),
-with each scaled weight's ``scale_inv`` riding along: one all-to-all of raw bytes with uneven
-splits, which is an all-gather of unequal pieces on gloo and nccl alike.
+with each scaled weight's ``scale_inv`` riding along: one broadcast per owner of its packed
+piece, into one reused buffer of the largest piece. That is an all-gather of unequal pieces on
+gloo and nccl alike whose only temporary is ~1/W of the weights (an all-to-all would hold the
+whole gathered model once more, and its send buffer W copies of the rank's own piece).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fp8train.param_state import scale_inv_of
+
+from .comm_meter import wire_bytes
 
 __all__ = ["assign_owners", "ownership_balance", "ParamGather"]
 
@@ -64,66 +68,70 @@ class ParamGather:
     def __init__(self, params: list[torch.nn.Parameter], owners: list[int], group, meter=None):
         self.params, self.owners, self.group, self.meter = params, owners, group, meter
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # Bytes each rank contributes: its parameters' storage, then their scale_inv values.
+        # Bytes each rank contributes: its parameters' scale_inv values, then their storage.
         self.sizes = [0] * self.world
         for p, r in zip(params, owners):
             self.sizes[r] += p.nbytes + (4 if scale_inv_of(p) is not None else 0)
-        self.mine = [p for p, r in zip(params, owners) if r == self.rank]
+        self.of_rank = [[p for p, o in zip(params, owners) if o == r] for r in range(self.world)]
+        self.mine = self.of_rank[self.rank]
 
     @torch.no_grad()
     def gather(self) -> None:
-        world, rank = self.world, self.rank
-        device = self.params[0].device
-        payload = self._pack(self.mine, device)
-        send = payload.repeat(world)  # the same piece to every rank (own copy stays local)
-        recv = torch.empty(sum(self.sizes), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=list(self.sizes),
-            input_split_sizes=[payload.numel()] * world,
-            group=self.group,
-        )
+        largest = max(self.sizes, default=0)
+        if largest == 0:
+            return
+        buffer = torch.empty(largest, dtype=torch.uint8, device=self.params[0].device)
+        for r in range(self.world):
+            piece = buffer[: self.sizes[r]]
+            if piece.numel() == 0:
+                continue
+            if r == self.rank:
+                self._pack(self.mine, piece)
+            dist.broadcast(piece, group=self.group, group_src=r)
+            if r != self.rank:
+                self._unpack(self.of_rank[r], piece)
         self._record()
-        offset = 0
-        for r in range(world):
-            piece = recv[offset : offset + self.sizes[r]]
-            offset += self.sizes[r]
-            if r != rank:
-                self._unpack([p for p, o in zip(self.params, self.owners) if o == r], piece)
 
     @staticmethod
-    def _pack(params, device) -> torch.Tensor:
-        parts = [p.detach().reshape(-1).view(torch.uint8) for p in params]
+    def _pack(params, out: torch.Tensor) -> None:
+        """``params``' scale_inv values, then their bytes, into ``out`` (their exact size).
+        The scales go first: at the start of the buffer they are aligned for FP32."""
         scales = [scale_inv_of(p) for p in params]
-        scales = [s.detach().float().reshape(1) for s in scales if s is not None]
-        if scales:
-            parts.append(torch.cat(scales).view(torch.uint8))
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=device)
-        return torch.cat(parts)
+        parts = [s.detach().float().reshape(1).view(torch.uint8) for s in scales if s is not None]
+        parts += [p.detach().reshape(-1).view(torch.uint8) for p in params]
+        torch.cat(parts, out=out)
 
     @staticmethod
     def _unpack(params, piece: torch.Tensor) -> None:
-        offset = 0
+        scaled = [p for p in params if scale_inv_of(p) is not None]
+        offset = 4 * len(scaled)
+        for p, value in zip(scaled, piece[:offset].view(torch.float32)):
+            scale_inv_of(p).copy_(value)
         for p in params:
             n = p.nbytes
             p.detach().reshape(-1).view(torch.uint8).copy_(piece[offset : offset + n])
             offset += n
-        scaled = [p for p in params if scale_inv_of(p) is not None]
-        if scaled:
-            values = piece[offset : offset + 4 * len(scaled)].view(torch.float32)
-            for p, value in zip(scaled, values):
-                scale_inv_of(p).copy_(value)
 
     def _record(self) -> None:
         if self.meter is None:
             return
-        # One name per storage dtype (all_gather_params_fp8, ..._fp16, ..._float32), each
+        # Every rank sends (W-1)/W of each owner's piece (the broadcast byte model), under
+        # one name per storage dtype (all_gather_params_fp8, ..._fp16, ..._float32), each
         # weight's scale_inv metered as its overhead: bytes per element reads straight off.
-        others = self.world - 1
-        for p in self.mine:
-            name = "all_gather_params_" + _short(p.dtype)
-            self.meter.record(name, "data", p.dtype, others * p.nbytes, others * p.numel())
-            if scale_inv_of(p) is not None:
-                self.meter.record(name, "data", torch.float32, others * 4, elements=0)
+        world = self.world
+        for params in self.of_rank:
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for p in params:
+                counts = by_dtype.setdefault(p.dtype, [0, 0, 0])  # bytes, elements, scales
+                counts[0] += p.nbytes
+                counts[1] += p.numel()
+                counts[2] += scale_inv_of(p) is not None
+            for dtype, (nbytes, numel, scales) in by_dtype.items():
+                name = "all_gather_params_" + _short(dtype)
+                self.meter.record(
+                    name, "data", dtype, wire_bytes("broadcast", nbytes, world),
+                    wire_bytes("broadcast", numel, world),
+                )  # fmt: skip
+                if scales:
+                    sent = wire_bytes("broadcast", 4 * scales, world)
+                    self.meter.record(name, "data", torch.float32, sent, elements=0)

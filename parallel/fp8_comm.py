@@ -36,6 +36,7 @@ from fp8train.formats import FP8Format, cast_to_fp8
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.scaling import compute_scale
 
+from .collective_paths import all_gather_single
 from .comm_meter import CommMeter, wire_bytes
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
     "allreduce_fp8_grads",
     "allreduce_fp32_grads",
 ]
-
-# all_gather_single is the new name (torch >= 2.10 deprecates all_gather_into_tensor).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -220,7 +218,7 @@ def launch_reduce_scatter_fp8(
     )
     # Flat output: gloo accepts only the concatenated form, not [W, 2T].
     meta = torch.empty(world * 2 * t, dtype=torch.float32, device=device)
-    works = [_all_gather_single(meta, local_meta, group=group, async_op=True)]
+    works = [all_gather_single(meta, local_meta, group=group, async_op=True)]
     if meter is not None:  # the scales are this collective's overhead: bytes, no elements
         meter.record(
             "reduce_scatter_fp8",
@@ -292,7 +290,7 @@ def finish_allreduce_fp8(
     owned, scale = cast_owned_chunk(rs)
     gathered = torch.zeros(layout.padded, dtype=torch.uint8, device=owned.device)
     if layout.total:
-        _all_gather_single(gathered, owned.view(torch.uint8), group=group)
+        all_gather_single(gathered, owned.view(torch.uint8), group=group)
     if meter is not None:
         meter.record_collective(
             "all_gather_fp8", "all_gather", group_name, torch.uint8, gathered.nbytes, world

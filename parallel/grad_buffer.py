@@ -22,7 +22,10 @@ Without a distributed optimizer each bucket is averaged everywhere (FP32: all-re
 exact-sum reduce-scatter of ``fp8_comm`` plus an FP8 all-gather). With one (``owners`` given),
 a bucket's parameters are ordered by owner and only reduce-scattered: each rank ends with the
 average of the parameters it owns (FP8 rounded once, with the max-over-ranks amax), and the
-other parameters' gradients are left stale and unused.
+other parameters' gradients are left stale and unused. The FP32 reduce-scatter is nccl's own,
+in place in the buffer (uneven owner ranges: one grouped reduce per owner); on gloo it is an
+all-to-all plus a rank-order FP32 sum, which is deterministic but receives W copies of the
+rank's range (``parallel/collective_paths.py``).
 
 Parameters in ``held`` (the tied embedding copied on two pipeline stages) get their own bucket
 that ``finish`` reduces last, after a caller's hook (the sum over the two stages) has run.
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from fp8train.param_state import fp8_grad_slot, grad_slot, set_grad_slot
 
+from .collective_paths import native_reduce_scatter, reduce_scatter_single
 from .fp8_comm import (
     cast_owned_chunk,
     finish_allreduce_fp8,
@@ -87,9 +91,15 @@ class GradBuffers:
         held: set[int] = frozenset(),
         meter=None,
         group_name: str = "data",
+        native: bool | None = None,
     ):
         self.params, self.group, self.meter, self.group_name = params, group, meter, group_name
         self.world = 1 if group is None else dist.get_world_size(group)
+        # The distributed optimizer's FP32 reduce-scatter: the backend's own, in place (nccl;
+        # ``native`` forces a choice), or gloo's deterministic all-to-all plus rank-order sum.
+        self.native = (
+            group is not None and native_reduce_scatter(group) if native is None else native
+        )
         self.rank = 0 if group is None else dist.get_rank(group)
         self.overlap = overlap and self.world > 1
         self.owners = owners
@@ -236,12 +246,25 @@ class GradBuffers:
                 )  # fmt: skip
             return
         splits = [b - a for a, b in zip(bucket.bounds[:-1], bucket.bounds[1:])]
-        recv = torch.empty(self.world * splits[self.rank], dtype=flat.dtype, device=flat.device)
-        work = dist.all_to_all_single(
-            recv, flat, output_split_sizes=[splits[self.rank]] * self.world,
-            input_split_sizes=splits, group=self.group, async_op=True,
-        )  # fmt: skip
-        bucket.pending = (work, recv)
+        lo = bucket.bounds[self.rank]
+        own = flat[lo : lo + splits[self.rank]]
+        if self.native:
+            # In place, no receive buffer: equal splits are one reduce-scatter (nccl's in-place
+            # form, output at the rank's offset of the input); uneven ones a reduce per owner,
+            # grouped by torch.
+            if len(set(splits)) == 1:
+                work = reduce_scatter_single(own, flat, group=self.group, async_op=True)
+            else:
+                pieces = list(flat.split(splits))
+                work = dist.reduce_scatter(own, pieces, group=self.group, async_op=True)
+            bucket.pending = (work, None)
+        else:
+            recv = torch.empty(self.world * splits[self.rank], dtype=flat.dtype, device=flat.device)
+            work = dist.all_to_all_single(
+                recv, flat, output_split_sizes=[splits[self.rank]] * self.world,
+                input_split_sizes=splits, group=self.group, async_op=True,
+            )  # fmt: skip
+            bucket.pending = (work, recv)
         if self.meter is not None:
             sent = sum(n for r, n in enumerate(splits) if r != self.rank)
             self.meter.record("reduce_scatter_fp32", self.group_name, torch.float32, 4 * sent)
@@ -273,9 +296,11 @@ class GradBuffers:
         work, recv = bucket.pending
         bucket.pending = None  # the receive buffer goes with ``recv``, not at the next step
         work.wait()
-        chunk = recv.view(self.world, -1).sum(dim=0).div_(self.world)
-        lo = bucket.bounds[self.rank]
-        flat[lo : lo + chunk.numel()].copy_(chunk)
+        lo, hi = bucket.bounds[self.rank], bucket.bounds[self.rank + 1]
+        if recv is None:  # reduced in place
+            flat[lo:hi].div_(self.world)
+            return
+        flat[lo:hi].copy_(recv.view(self.world, -1).sum(dim=0).div_(self.world))
 
     def finish(self, before_held: Callable[[], None] | None = None) -> None:
         """Complete the step's reduction: launch what is left (in order), wait for it all; then

@@ -8,8 +8,9 @@
 
 ``python -m tools.plan_tables largest``
     The most layers a GPT of the 1.3B width (configs/gpt_1.3b.yaml: hidden 2048, 16 heads,
-    2048 tokens, full recompute) can have and still fit one 80 GB GPU, and 8 of them as an
-    8-stage pipeline, at bf16, te, O2 and O3: predicted, until a GPU measures it.
+    2048 tokens, full recompute) can have and still fit one 80 GB GPU, and 8 of them as 8
+    data-parallel ranks with the distributed optimizer, at bf16, te, O2 and O3: predicted,
+    until a GPU measures it.
 
 Both print markdown tables; every figure is the plan's, nothing is fitted to the paper.
 """
@@ -127,34 +128,53 @@ def _largest_cfg(level: str, data: int, layers: int):
     ])  # fmt: skip
 
 
-def _peaks(points: list[tuple[str, int, int]], jobs) -> list[tuple[int, str]]:
-    """The planned peak and its phase of each (level, data ranks, layers), in one pool."""
+def _peaks(points: list[tuple[str, int, int]], jobs) -> list[tuple[int, str, dict]]:
+    """The planned peak, its phase and every phase's peak of each (level, data ranks,
+    layers), in one pool."""
     from training.plan_run import plan_runs
 
     runs = [(_largest_cfg(level, data, layers), data, None) for level, data, layers in points]
     out = []
     for _, stages in plan_runs(runs, exact=True, jobs=jobs):
         memory = stages[0].result.memory
-        out.append((memory.peak, memory.peak_phase))
+        out.append((memory.peak, memory.peak_phase, dict(memory.phase_peaks)))
     return out
 
 
 def largest(jobs: int | None = None) -> list[dict]:
-    """Per setup and level: the most layers whose planned peak fits ``CAPACITY``. Each layer
-    adds the same weights, states and checkpointed input, so the peak is a line in the
-    layers: three plans (2, 3, 4 layers) give it and check it is one (``bend``: the second
-    difference, as a share of the step); the answer it gives is then planned itself, and one
-    layer more, so the table shows a planned fit and a planned miss (where the answer does
-    not fit, the line from 4 layers to it gives the next guess)."""
+    """Per setup and level: the most layers whose planned peak fits ``CAPACITY``.
+
+    Each layer adds the same weights, gradients, states and checkpointed input, so each
+    phase's peak (forward, backward, the optimizer) is a line in the layers, and the step's
+    peak the highest of those lines: they cross (the optimizer's temporaries grow with the
+    parameters, the backward's logits do not), so the peak of a few layers alone does not
+    extend. Three plans (2, 3, 4 layers) give the lines and check each is one (``bend``: the
+    largest second difference, as a share of its phase's slope); the answer they give is then
+    planned itself, and one layer more, so the table shows a planned fit and a planned miss.
+    The lines are a first guess only: where a phase's peak is not a line (the low-bit
+    optimizer's temporaries are bounded by its chunk, the step's by its largest tensor), the
+    planner itself is searched until a fit and a miss are one layer apart (``rounds``)."""
     keys = [(setup, level) for setup in SETUPS for level in LARGEST_LEVELS]
     small = _peaks([(lv, SETUPS[st], k) for st, lv in keys for k in (2, 3, 4)], jobs)
     rows = []
     for i, (setup, level) in enumerate(keys):
-        p2, p3, p4 = (small[3 * i + j][0] for j in range(3))
-        per_layer = (p4 - p2) / 2
-        layers = max(1, int((CAPACITY - p2) // per_layer) + 2)
-        rows.append({"setup": setup, "level": level, "layers": layers, "per_layer": per_layer,
-                     "bend": abs(p4 - 2 * p3 + p2) / per_layer, "p4": p4})  # fmt: skip
+        phases = [small[3 * i + j][2] for j in range(3)]
+        lines, bend = {}, 0.0
+        for phase in phases[2]:
+            p2, p3, p4 = (ph.get(phase, 0) for ph in phases)
+            slope = (p4 - p2) / 2
+            lines[phase] = (p2, slope)
+            bend = max(bend, abs(p4 - 2 * p3 + p2) / max(slope, 1))
+        # The most layers at which every phase's line stays within capacity.
+        layers = min(int((CAPACITY - p2) // slope) + 2 for p2, slope in lines.values() if slope > 0)
+        rows.append({"setup": setup, "level": level, "layers": max(1, layers), "bend": bend,
+                     "per_layer": max(slope for _, slope in lines.values())})  # fmt: skip
+    # Then plan until each row has a planned fit with a planned miss one layer above it:
+    # every round plans a guess and one layer more, and the next guess comes from the line
+    # through the two nearest planned points, kept inside the bracket (the peak only grows
+    # with the layers).
+    for r in rows:
+        r.update(fits={}, misses={}, rounds=0)
     pending = rows
     while pending:
         points = [(r["level"], SETUPS[r["setup"]], n) for r in pending
@@ -162,18 +182,32 @@ def largest(jobs: int | None = None) -> list[dict]:
         found = _peaks(points, jobs)
         again = []
         for j, r in enumerate(pending):
-            (fit, phase), (over, _) = found[2 * j], found[2 * j + 1]
-            if fit > CAPACITY and r["layers"] > 1:
-                # The line from 2-4 layers was optimistic: take the line from 4 layers to
-                # this miss instead (at least one layer fewer) and plan again.
-                slope = (fit - r["p4"]) / max(1, r["layers"] - 4)
-                guess = 4 + int((CAPACITY - r["p4"]) // slope)
-                r["layers"] = max(1, min(r["layers"] - 1, guess))
-                again.append(r)
+            r["rounds"] += 1
+            for k in (0, 1):
+                peak, phase, _ = found[2 * j + k]
+                (r["fits"] if peak <= CAPACITY else r["misses"])[r["layers"] + k] = (peak, phase)
+            lo = max(r["fits"], default=0)
+            hi = min(r["misses"], default=None)
+            if lo and hi == lo + 1:
+                (peak, phase), (over, _) = r["fits"][lo], r["misses"][hi]
+                r.update(layers=lo, peak=peak, phase=phase, next=over, parameters=_parameters(lo))
                 continue
-            r.update(peak=fit, phase=phase, next=over, parameters=_parameters(r["layers"]))
+            r["layers"] = _next_guess(r["fits"], r["misses"], lo, hi)
+            again.append(r)
         pending = again
     return rows
+
+
+def _next_guess(fits: dict, misses: dict, lo: int, hi: int | None) -> int:
+    """Layers to plan next, strictly inside the bracket (``lo`` fits, ``hi`` misses)."""
+    known = sorted({**fits, **misses}.items())
+    below = [(n, p) for n, (p, _) in known if n <= lo] or [(0, 0.0)]
+    above = [(n, p) for n, (p, _) in known if hi is not None and n >= hi]
+    (n0, p0), (n1, p1) = (below[-1], above[0]) if above else (below[-2], below[-1])
+    slope = (p1 - p0) / (n1 - n0) if n1 != n0 else 0.0
+    guess = n1 + int((CAPACITY - p1) // slope) if slope > 0 else 2 * max(lo, 1)
+    top = hi - 1 if hi is not None else max(guess, lo + 1)
+    return max(lo + (1 if lo else 0), min(guess, top), 1)
 
 
 def _parameters(layers: int) -> int:
@@ -195,14 +229,14 @@ def largest_table(rows: list[dict]) -> str:
         f"Predicted (plan only, capacity {CAPACITY / GB:.0f} GB per GPU):",
         "",
         "| setup | level | layers | parameters | planned peak (GB) | phase "
-        "| one layer more (GB) | GB per layer | line bend |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| one layer more (GB) | GB per layer | line bend | planning rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['setup']} | {r['level']} | {r['layers']} | {r['parameters'] / 1e9:.2f} B "
             f"| {r['peak'] / GB:.1f} | {r['phase']} | {r['next'] / GB:.1f} "
-            f"| {r['per_layer'] / GB:.3f} | {r['bend']:.1e} |"
+            f"| {r['per_layer'] / GB:.3f} | {r['bend']:.1e} | {r['rounds']} |"
         )
     return "\n".join(lines)
 

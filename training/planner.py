@@ -308,7 +308,7 @@ def plan_steps(
     computes and sends. Needs a process without a process group (it makes a fake one).
     ``backend``: whose collective implementations the steps take (nccl: a GPU run's; gloo:
     to check a plan against a real CPU run, ``measure_rank``)."""
-    from parallel.tensor_parallel.mappings import fake_group_backend
+    from parallel.collective_paths import fake_group_backend
     from training.setup import build_run  # the heavy imports only when planning
 
     with (

@@ -37,16 +37,18 @@ runs, including those of backward, under the names ``tp_all_reduce``, ``tp_all_g
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
+from parallel.collective_paths import (
+    all_gather_single,
+    native_reduce_scatter,
+    reduce_scatter_single,
+)
 from parallel.comm_meter import CommMeter
 
 __all__ = [
     "PlannedGroup",
-    "fake_group_backend",
     "copy_to_region",
     "reduce_from_region",
     "scatter_to_region",
@@ -63,31 +65,6 @@ __all__ = [
 ]
 
 SEQUENCE_DIM = 1  # [batch, seq, hidden]
-
-# The non-deprecated names where this torch has them.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_NATIVE_REDUCE_SCATTER = ("nccl",)
-# The backend whose code paths a "fake" process group (a plan's, training/planner.py) takes:
-# the accelerator's by default; "gloo" while a plan is checked against a gloo run.
-_fake_stands_for = ["nccl"]
-
-
-@contextlib.contextmanager
-def fake_group_backend(backend: str):
-    """Within: collectives on a "fake" process group choose their implementation as on
-    ``backend`` (here: whether reduce-scatter is native or an all-to-all plus a local sum,
-    which differ in the buffers they allocate)."""
-    _fake_stands_for.append(backend)
-    try:
-        yield
-    finally:
-        _fake_stands_for.pop()
-
-
-def _backend(group) -> str:
-    backend = dist.get_backend(group)
-    return _fake_stands_for[-1] if backend == "fake" else backend
 
 
 class PlannedGroup:
@@ -183,7 +160,7 @@ def all_gather(
     # Gather along dim 0 (one flat, coalesced collective) and move the axis back.
     local = x.movedim(dim, 0).contiguous()
     out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-    _all_gather_single(out, local, group=group)
+    all_gather_single(out, local, group=group)
     _record(meter, "all_gather", out, world, group_name)
     return out.movedim(0, dim).contiguous()
 
@@ -209,10 +186,10 @@ def reduce_scatter(
     n = _check_divisible(x, dim, world)
     send = x.movedim(dim, 0).contiguous()  # slice r of dim is rows [r*n, (r+1)*n)
     if native is None:
-        native = _backend(group) in _NATIVE_REDUCE_SCATTER
+        native = native_reduce_scatter(group)
     if native:
         out = send.new_empty((n, *send.shape[1:]))
-        _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
         _record(meter, "reduce_scatter", send, world, group_name)
     else:
         recv = torch.empty_like(send)
