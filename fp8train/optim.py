@@ -44,6 +44,7 @@ from .optim_states import (
     EXP_AVG_SQ_DTYPES,
     dequantize,
     grad_of,
+    has_grad,
     init_state,
     param_kind,
     quantize_into_,
@@ -88,9 +89,9 @@ def _add_update_(weights, exp_avgs, denom, neg_step_size: torch.Tensor, packed: 
 
 
 def _chunks(items: list, limit: int):
-    """``items`` (``(param, kind, grad, state)``) in runs of at most ``limit`` elements (a
-    larger tensor alone). The update makes FP32 working copies of each run's weights and
-    moments (about 5 x 4 bytes per element, beyond the stored state): by runs, that transient
+    """``items`` (each led by its parameter) in runs of at most ``limit`` elements (a larger
+    tensor alone). The update makes FP32 working copies of each run's gradients, weights and
+    moments (about 6 x 4 bytes per element, beyond the stored state): by runs, that transient
     memory stays bounded instead of growing with the model, which at O2/O3 would undo the
     savings of low-bit storage. Every op is per tensor, so the result is the same bits."""
     run, size = [], 0
@@ -165,17 +166,17 @@ class LowBitAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             by_device: dict[torch.device, list] = {}
             for p in group["params"]:
-                grad = grad_of(p)
-                if grad is None:
+                if not has_grad(p):
                     continue
                 kind = param_kind(p)
                 state = self.state[p]
                 if not state:
                     state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
-                by_device.setdefault(p.device, []).append((p, kind, grad, state))
+                by_device.setdefault(p.device, []).append((p, kind, state))
             for items in by_device.values():
                 for chunk in _chunks(items, self.chunk_elements):
-                    self._update(group, chunk)
+                    # FP32 gradients chunk by chunk too: an FP8 slot's is a new tensor.
+                    self._update(group, [(p, k, grad_of(p), s) for p, k, s in chunk])
         return loss
 
     def _update(self, group: dict, items: list) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "FP8_DTYPES",
     "param_kind",
     "grad_of",
+    "has_grad",
     "weight_value",
     "init_state",
     "dequantize",
@@ -75,6 +76,12 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     if p.grad is None:
         return None
     return p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+
+
+def has_grad(p: torch.Tensor) -> bool:
+    """Whether ``grad_of(p)`` has a gradient this step, without forming it (host flags only)."""
+    slot = fp8_grad_slot(p)
+    return slot.has_data if slot is not None else p.grad is not None
 
 
 def weight_value(p: torch.Tensor) -> torch.Tensor:

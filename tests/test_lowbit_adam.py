@@ -436,3 +436,24 @@ def test_chunked_update_is_bit_identical(chunk):
 def test_chunk_elements_must_be_positive():
     with pytest.raises(ValueError, match="chunk_elements=0"):
         LowBitAdamW([nn.Parameter(torch.ones(2))], chunk_elements=0)
+
+
+def test_chunked_update_bounds_the_fp32_gradients_too():
+    """An FP8 gradient slot's FP32 value is formed chunk by chunk, like the weights' and the
+    moments' working copies: with one tensor per chunk, the most bytes the step allocates at
+    once (counted on every op's outputs by training/step_account.py) stay below two tensors'
+    worth of the 6 FP32 working copies, whatever the number of tensors (32 here)."""
+    from training.step_account import StepAccount
+
+    torch.manual_seed(0)
+    params = [scaled_param(torch.randn(64, 64), FP8) for _ in range(32)]
+    opt = LowBitAdamW(params, lr=1e-2, chunk_elements=1, **O2)
+    gen = torch.Generator().manual_seed(3)
+    random_grads(params, gen)
+    opt.step()  # the states exist from here on, as in every later step
+    random_grads(params, gen)
+    with StepAccount() as account:
+        account.start_step()
+        opt.step()
+    one_tensor = 64 * 64 * 4
+    assert account.peak < 2 * 6 * one_tensor, account.peak / one_tensor
