@@ -99,6 +99,7 @@ def cmd_levels(args) -> tuple[str, list[dict]]:
         "recompute": args.recompute,
         "fp8_backend": args.fp8_backend,
         "build_on_device": args.build_on_device,
+        "profile": args.profile,
     }
     specs = [
         {"kind": "project", "name": f"fp8train {lv}", "level": lv, **common} for lv in args.levels
@@ -226,6 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     lv.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     lv.add_argument("--levels", nargs="+", choices=LEVELS, default=list(DEFAULT_LEVELS))
     lv.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
+    lv.add_argument(
+        "--profile", action="store_true", help="each row also records its top operators"
+    )
 
     li = sub.add_parser("linear", parents=[common], help="FP8 linear micro-benchmark")
     li.add_argument("--size", type=int, default=8192, help="M = N = K")

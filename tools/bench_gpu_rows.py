@@ -182,9 +182,38 @@ def peak_bytes(device: torch.device) -> int:
     return stats.get("max_allocated", stats.get("max_rss", 0))
 
 
-def time_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
+def top_kernels(step, device: torch.device, steps: int = 2, top: int = 25) -> list[dict]:
+    """The operators that took the most device time over ``steps`` profiled steps (after the
+    timed ones, so the profiler's own overhead never enters a timing): where a level's time
+    goes, read from one call instead of a second lease."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        devices.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    return [
+        {
+            "name": e.key[:120],
+            "ms_per_step": getattr(e, key) / 1e3 / steps,
+            "share": getattr(e, key) / total,
+            "calls_per_step": e.count / steps,
+        }
+        for e in events[:top]
+    ]
+
+
+def time_steps(step, device: torch.device, warmup: int, steps: int, profile: bool = False) -> dict:
     """Median seconds per step after ``warmup`` untimed steps, and the peak memory of the
-    timed ones (reset after warm-up: the optimizer's lazily made states exist by then)."""
+    timed ones (reset after warm-up: the optimizer's lazily made states exist by then); with
+    ``profile``, also the top operators of two more steps (``top_kernels``)."""
     for _ in range(warmup):
         step()
     devices.synchronize(device)
@@ -195,7 +224,10 @@ def time_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
         step()
         devices.synchronize(device)  # the kernels this step queued are part of its time
         times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "peak_bytes": peak_bytes(device)}
+    out = {"step_s": statistics.median(times), "peak_bytes": peak_bytes(device)}
+    if profile:
+        out["top_kernels"] = top_kernels(step, device)
+    return out
 
 
 def project_row(spec: dict) -> dict:
@@ -215,7 +247,7 @@ def project_row(spec: dict) -> dict:
     def step():
         stats.update(vars(train_step(state, data, 1)))
 
-    timing = time_steps(step, device, spec["warmup"], spec["steps"])
+    timing = time_steps(step, device, spec["warmup"], spec["steps"], spec.get("profile", False))
     bpp = (state.bytes_per_param or {}).get("all", {}).get("total")
     return {
         **timing,
@@ -317,7 +349,7 @@ def plain_row(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         stats["loss"] = loss.detach()
 
-    timing = time_steps(step, device, spec["warmup"], spec["steps"])
+    timing = time_steps(step, device, spec["warmup"], spec["steps"], spec.get("profile", False))
     return {
         **timing,
         **device_info(device),
