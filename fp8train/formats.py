@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused_casts import saturating_cast
+
 __all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_to_fp8"]
 
 
@@ -62,6 +64,9 @@ def cast_to_fp8(
     """
     if scale is None:
         y = x.float().clamp(-fmt.max, fmt.max)  # out of place: x.float() may be x itself
+    elif isinstance(scale, torch.Tensor):
+        # One kernel on CUDA (fused_casts.py); the same operations eagerly elsewhere.
+        return saturating_cast(x, scale, fmt.max, fmt.dtype)
     else:
         y = (x.float() * scale).clamp_(-fmt.max, fmt.max)
     return y.to(fmt.dtype)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import E4M3, E5M2
+from .fused_casts import abs_max
 from .gemm import fp8_gemm
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import grad_slot, set_grad_slot, set_scale_inv
@@ -114,7 +115,7 @@ def _quantize(
     scale: torch.Tensor | None = None,
 ) -> Float8Tensor:
     if scale is None:
-        scale = state.scale_for(x.detach().abs().amax(), update=update)
+        scale = state.scale_for(abs_max(x.detach()), update=update)
     q = Float8Tensor.quantize(x.detach(), state.fmt, scale)
     if health is not None:
         _record_health(health, role, x.detach(), q, scale)
@@ -133,7 +134,7 @@ def _forward_quantize(
     if replay:
         # The original forward already updated the state and measured cast health.
         return _quantize(x, state, False, None, role, scale=log.replay(state))
-    amax = x.detach().abs().amax()
+    amax = abs_max(x.detach())
     if amax_sync is not None:
         amax = amax_sync(amax)
     scale = state.scale_for(amax, update=update)

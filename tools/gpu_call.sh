@@ -4,6 +4,7 @@
 # and writes under $OUT as it goes, so a phase that runs long costs only the phases after it.
 #
 #   bash tools/gpu_call.sh measure [SECONDS]   # versions, FP8 linear, GPT 1.3B levels, tests
+#   bash tools/gpu_call.sh fused [SECONDS]     # fused FP8 casts against eager, 1.3B te:bf16
 #   bash tools/gpu_call.sh max-size [SECONDS]  # largest GPT at bf16 and O2
 #
 # The device tool's `run` calls it with `carry: [".whl"]` (tools/fetch_gpu_wheels.sh).
@@ -46,6 +47,21 @@ if [ "$phase" = measure ]; then
         tests/test_initialize.py tests/test_recompute.py tests/test_gpt_model.py \
         tests/test_bench_gpu.py >"$OUT/tests.log" 2>&1
     log "tests rc=$?"
+elif [ "$phase" = fused ]; then
+    # The fused FP8 casts (fp8train/fused_casts.py) side by side with the eager ones.
+    for fused in 0 1; do
+        log "linear fused=$fused"
+        FP8TRAIN_FUSED_CASTS=$fused timeout "$(budget 45 150)" python3 tools/bench_gpu.py linear \
+            --json "$OUT/linear_fused$fused.json" >"$OUT/linear_fused$fused.log" 2>&1
+    done
+    log "levels te:bf16 fused, profiled"
+    timeout "$(budget 80 75)" python3 tools/bench_gpu.py levels --size 1.3b --steps 5 --warmup 2 \
+        --profile --levels te:bf16 --baselines --json "$OUT/levels_tebf16.json" \
+        >"$OUT/levels_tebf16.log" 2>&1
+    log "levels bf16, O2:bf16 fused"
+    timeout "$(budget 200 3)" python3 tools/bench_gpu.py levels --size 1.3b --steps 5 --warmup 2 \
+        --levels bf16 O2:bf16 --baselines --json "$OUT/levels_ref.json" >"$OUT/levels_ref.log" 2>&1
+    log "done"
 elif [ "$phase" = max-size ]; then
     log "max-size"
     # Built on the GPU (host initialisation of a 10B model takes minutes per attempt); bf16
