@@ -128,6 +128,30 @@ class TransformerSection(Section):
         except PipelineLayoutError as err:
             raise ConfigError(f"config: {err}") from None
 
+    def check_fp8_blocks(self, parallel, block: int) -> None:
+        """Block-wise FP8 scales (``block``-wide tiles) under tensor parallelism: every
+        dimension a rank's weight shard is cut along must be a whole number of blocks, or a
+        shard boundary would cut a block and each rank would scale a different tile than the
+        single-process model does."""
+        if parallel.tensor == 1:
+            return
+        shape = self.resolved()
+        kv = shape.kv_channels
+        for key, value in (
+            ("model.ffn_hidden_size", shape.ffn_hidden_size),
+            ("the attention width (model.num_attention_heads x kv channels)",
+             shape.num_attention_heads * kv),
+            ("the key/value width (model.num_query_groups x kv channels)",
+             shape.num_query_groups * kv),
+        ):  # fmt: skip
+            if (value // parallel.tensor) % block:
+                raise ConfigError(
+                    f"config: precision.fp8_granularity=block with parallel.tensor="
+                    f"{parallel.tensor} cuts {key} ({value}) into shards of "
+                    f"{value // parallel.tensor}, not a multiple of the {block}-wide FP8 "
+                    "blocks (a shard boundary would split a block)"
+                )
+
     # Resolved values: the fields keep null (so the stored config says "default"), these give
     # the concrete numbers every consumer must use (computed by the model config).
     def query_groups(self) -> int:

@@ -1,46 +1,42 @@
-"""One-pass FP8 casts on CUDA: the amax and the saturating cast, each a single fused kernel.
+"""The FP8 cast as one ``torch.compile``'d kernel on CUDA: opt-in (``FP8TRAIN_FUSED_CASTS=1``).
 
-Eager PyTorch spends five full passes over a tensor on one FP8 cast (``abs``, ``amax``,
-``float``, ``* scale``, ``clamp``, ``to``), each writing a temporary of up to 4 bytes per
-element. On an H200 this was most of the FP8 levels' overhead: in a GPT-1.3B step at te with
-BF16 activations, copies, products, clamps and abs took about 180 ms against 43 ms of FP8
-GEMMs (docs/BENCHMARKS.md, the GPU profile). ``torch.compile`` turns each into one kernel
-that reads the input once (2 bytes per element from BF16) and writes 1 byte of FP8.
+Eager PyTorch spends four passes on one saturating cast (``float``, ``* scale``, ``clamp``,
+``to``), with fp32 temporaries; compiled, it is one kernel that reads the input once and
+writes FP8. Measured on an H200 (docs/BENCHMARKS.md, "GPU"), GPT-1.3B at te with BF16
+activations: the casts' device time fell from tens of ms to 8.4 ms a step, but the step time
+did not (435 ms against 415 ms eager, on two machines of the same kind), because that step
+waits on the host: each compiled call costs more host time than the eager launches it
+replaces (about 70 against 30 us here on the CPU). So it stays off until a step is no longer
+host-bound. An amax compiled the same way was slower than eager ``abs`` + ``amax`` (19
+against 16 ms a step) and was dropped.
 
-The arithmetic is the eager one, op for op (an fp32 product, a clamp to ±max, a
-round-to-nearest-even cast), so the bytes are the same; ``tests/test_fused_casts.py`` checks
-this bitwise on the CPU compiler against the eager cast and against ml_dtypes.
+The arithmetic is the eager one, op for op, so the bytes are the same;
+``tests/test_fused_casts.py`` checks this bitwise on the CPU compiler.
 
-Used only for CUDA tensors (on the CPU the passes are cheap next to the GEMM emulation, and a
-compiler there costs every process seconds), and only with one scale for the whole tensor.
-``FP8TRAIN_FUSED_CASTS=0`` turns it off; if compiling fails once, the process warns and keeps
-the eager path.
+Only CUDA tensors take it; if compiling fails once, the process warns and stays eager.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 
 import torch
 
-__all__ = ["ENV", "abs_max", "fusable", "saturating_cast"]
+__all__ = ["ENV", "compiled", "fusable", "saturating_cast"]
 
 ENV = "FP8TRAIN_FUSED_CASTS"
 _failed = False  # a compile error turns fusion off for the rest of the process
 
 
 def fusable(x: torch.Tensor, force: bool = False) -> bool:
-    """Whether ``x`` takes the compiled path: a CUDA tensor (or ``force``, for tests), with
-    fusion neither switched off nor broken."""
-    if _failed or os.environ.get(ENV, "1") == "0":
+    """Whether ``x`` takes the compiled path: ``force`` (tests), or a CUDA tensor with
+    ``FP8TRAIN_FUSED_CASTS=1``; never after a compile failure."""
+    if _failed:
         return False
-    return force or x.device.type == "cuda"
-
-
-def _abs_max(x: torch.Tensor) -> torch.Tensor:
-    return x.abs().amax()
+    return force or (x.device.type == "cuda" and os.environ.get(ENV, "0") == "1")
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -49,37 +45,42 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype)
 
 
 @functools.cache
-def _compiled_abs_max():
-    return torch.compile(_abs_max, dynamic=True)
+def _compiled(fn, constants: tuple, dynamic: bool):
+    # One compiled function per set of constants (a format's maximum, a recipe's mode): they
+    # are baked into the kernel, not read from memory. Each is a function of its own code
+    # object: dynamo keeps at most 8 compilations per code object and runs it eagerly, without
+    # a word, past that (formats x recipes x read-only calls x input dtypes would reach it;
+    # ``torch.compile`` of a ``functools.partial`` shares one wrapper's code among them all).
+    kwargs = dict(constants)
+
+    def bound(*args):
+        return fn(*args, **kwargs)
+
+    own = types.FunctionType(
+        bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__
+    )
+    return torch.compile(own, dynamic=dynamic)
 
 
-@functools.cache
-def _compiled_cast(fmax: float, dtype: torch.dtype):
-    # One compiled function per format: the maximum and the dtype are constants of the kernel.
-    return torch.compile(functools.partial(_cast, fmax=fmax, dtype=dtype), dynamic=True)
-
-
-def _run(compiled, eager, *args):
+def compiled(fn, on: torch.Tensor, *args, force: bool = False, dynamic: bool = False, **constants):
+    """``fn(*args, **constants)`` as one ``torch.compile``'d graph where ``on`` is
+    ``fusable``, else eagerly: the same operations either way. ``dynamic``: the shapes vary
+    from call to call (compile once for all of them)."""
+    eager = functools.partial(fn, **constants)
+    if not fusable(on, force):
+        return eager(*args)
     global _failed
     try:
-        return compiled(*args)
+        return _compiled(fn, tuple(sorted(constants.items())), dynamic)(*args)
     except Exception as err:  # noqa: BLE001  (any compiler failure: fall back, once, loudly)
         _failed = True
         warnings.warn(
-            f"fp8train: fused FP8 casts disabled ({type(err).__name__}: {str(err)[:200]}); "
-            f"using the eager casts (set {ENV}=0 to skip the attempt)",
+            f"fp8train: compiled FP8 kernels disabled ({type(err).__name__}: "
+            f"{str(err)[:200]}); using eager PyTorch",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
         return eager(*args)
-
-
-def abs_max(x: torch.Tensor, force: bool = False) -> torch.Tensor:
-    """``x.abs().amax()`` as a 0-dim tensor of ``x``'s dtype (NaN propagates), fused where
-    ``fusable``."""
-    if not fusable(x, force):
-        return _abs_max(x)
-    return _run(_compiled_abs_max(), _abs_max, x)
 
 
 def saturating_cast(
@@ -87,7 +88,6 @@ def saturating_cast(
 ) -> torch.Tensor:
     """``clamp(x * scale, ±fmax)`` rounded to ``dtype``, in one kernel where ``fusable`` and
     ``scale`` is one value; otherwise the same operations eagerly."""
-    if scale.numel() != 1 or not fusable(x, force):
+    if scale.numel() != 1:
         return _cast(x, scale, fmax, dtype)
-    eager = functools.partial(_cast, fmax=fmax, dtype=dtype)
-    return _run(_compiled_cast(fmax, dtype), eager, x, scale)
+    return compiled(_cast, x, x, scale, force=force, dynamic=True, fmax=fmax, dtype=dtype)

@@ -2,9 +2,10 @@
 
 Two backends compute the same thing:
 
-- "scaled_mm": ``torch._scaled_mm`` (FP8 tensor cores on CUDA sm89+; a oneDNN/reference kernel
-  on CPU). cuBLASLt wants the first operand row-major, the second column-major, K and N
-  multiples of 16, and never E5M2 x E5M2; shapes that do not fit go to "emulated".
+- "scaled_mm": ``torch._scaled_mm`` (FP8 tensor cores on CUDA sm89+; ATen's reference kernel
+  on CPU, ``call_scaled_mm``). cuBLASLt wants the first operand row-major, the second
+  column-major, K and N multiples of 16, and never E5M2 x E5M2; shapes that do not fit go to
+  "emulated".
 - "emulated": upcast both FP8 operands to fp32 (exact), fp32 matmul, multiply by both
   ``scale_inv``. FP8 x FP8 products are exact in fp32 (and in TF32, should a CUDA fp32 matmul
   use it), so this matches the hardware's fp32 accumulation up to summation order and the
@@ -29,12 +30,14 @@ from collections.abc import Callable
 import torch
 
 from . import device as _device
+from .blockwise import BlockFloat8Tensor, block_gemm
 from .formats import E4M3, E5M2
 from .machine_cache import remember
 from .tensor import Float8Tensor
 
 __all__ = [
     "BACKENDS",
+    "call_scaled_mm",
     "fp8_gemm",
     "measure_gemm_backends",
     "race_gemm_backends",
@@ -75,6 +78,21 @@ def set_gemm_backend(name: str | None) -> None:
     _forced = None if name in (None, "auto") else _check_name(name)
 
 
+def call_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm``; on the CPU with oneDNN switched off for the call, so that ATen's
+    reference kernel runs: upcast and an FP32 GEMM, the same bits on every x86 CPU. oneDNN's
+    FP8 kernels depend on the instruction set, and on an Intel Xeon with AVX-512 one took
+    11.2 s at 2048x256x768 where the reference took 11 ms, with equal results (2026-11-27)."""
+    if mat1.device.type != "cpu":
+        return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
 def scaled_mm_available(device: torch.device | str) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on this device type (tried once, then cached)."""
     device = torch.device(device)
@@ -87,7 +105,7 @@ def scaled_mm_available(device: torch.device | str) -> bool:
             try:
                 one = torch.ones((), device=device)
                 a = torch.zeros(16, 16, device=device).to(E4M3.dtype)
-                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+                call_scaled_mm(a, a.t(), one, one, torch.float32)
             except (RuntimeError, NotImplementedError):
                 ok = False
         _available[device.type] = ok
@@ -109,9 +127,16 @@ def _gemm_scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) ->
     # the two backward GEMMs, whose operands arrive as transposed views.
     mat1 = a.data.contiguous()
     mat2 = b.data.contiguous().t()  # column-major [K, N]
-    return torch._scaled_mm(
-        mat1, mat2, scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype
-    )
+    return call_scaled_mm(mat1, mat2, a.scale_inv, b.scale_inv, out_dtype)
+
+
+def _gemm_scaled_mm_rowwise(
+    a: BlockFloat8Tensor, b: BlockFloat8Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    # Row-wise scales as cuBLASLt and ATen take them: scale_a [M, 1], scale_b [1, N].
+    mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
+    scale_b = b.scale_inv.t().contiguous()
+    return call_scaled_mm(mat1, mat2, a.scale_inv.contiguous(), scale_b, out_dtype)
 
 
 def _gemm_emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -119,19 +144,41 @@ def _gemm_emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> 
     return acc.mul_(a.scale_inv * b.scale_inv).to(out_dtype)
 
 
+def _rowwise_fits_scaled_mm(
+    a: BlockFloat8Tensor, b: BlockFloat8Tensor, out_dtype: torch.dtype
+) -> bool:
+    k = a.shape[1]
+    if a.block != (1, k) or b.block != (1, k) or (a.fmt is E5M2 and b.fmt is E5M2):
+        return False  # block scales: no kernel here takes them (the emulation does)
+    if a.data.device.type in ("cuda", "meta"):
+        # cuBLASLt's row-wise scaling writes BF16 only, and wants K and N multiples of 16.
+        return out_dtype == torch.bfloat16 and k % 16 == 0 and b.shape[0] % 16 == 0
+    return True
+
+
 def fp8_gemm(
-    a: Float8Tensor,
-    b: Float8Tensor,
+    a: Float8Tensor | BlockFloat8Tensor,
+    b: Float8Tensor | BlockFloat8Tensor,
     out_dtype: torch.dtype = torch.float32,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` with scales applied: a [M, K], b [N, K] -> [M, N] in ``out_dtype``.
 
-    ``backend`` None means the selected one for a's device (see ``select_gemm_backend``).
+    Per-tensor operands (``Float8Tensor``) or per-row/per-block ones (``BlockFloat8Tensor``,
+    both sides alike). ``backend`` None means the selected one for a's device (see
+    ``select_gemm_backend``); row-wise operands take ``torch._scaled_mm`` where it accepts
+    them, block-wise ones always the exact emulation (``blockwise.block_gemm``).
     """
     if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}.T does not fit")
     backend = _check_name(backend) if backend else select_gemm_backend(a.data.device)
+    blocked = isinstance(a, BlockFloat8Tensor), isinstance(b, BlockFloat8Tensor)
+    if any(blocked):
+        if not all(blocked):
+            raise TypeError("fp8_gemm: both operands per tensor, or both per row/block")
+        if backend == "scaled_mm" and _rowwise_fits_scaled_mm(a, b, out_dtype):
+            return _gemm_scaled_mm_rowwise(a, b, out_dtype)
+        return block_gemm(a, b, out_dtype)
     if backend == "scaled_mm" and _fits_scaled_mm(a, b):
         return _gemm_scaled_mm(a, b, out_dtype)
     return _gemm_emulated(a, b, out_dtype)

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_linear import BlockFp8LinearFunction
 from .formats import E4M3, E5M2
-from .fused_casts import abs_max
 from .gemm import fp8_gemm
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import grad_slot, set_grad_slot, set_scale_inv
@@ -115,7 +115,7 @@ def _quantize(
     scale: torch.Tensor | None = None,
 ) -> Float8Tensor:
     if scale is None:
-        scale = state.scale_for(abs_max(x.detach()), update=update)
+        scale = state.scale_for(x.detach().abs().amax(), update=update)
     q = Float8Tensor.quantize(x.detach(), state.fmt, scale)
     if health is not None:
         _record_health(health, role, x.detach(), q, scale)
@@ -134,7 +134,7 @@ def _forward_quantize(
     if replay:
         # The original forward already updated the state and measured cast health.
         return _quantize(x, state, False, None, role, scale=log.replay(state))
-    amax = abs_max(x.detach())
+    amax = x.detach().abs().amax()
     if amax_sync is not None:
         amax = amax_sync(amax)
     scale = state.scale_for(amax, update=update)
@@ -265,7 +265,8 @@ class Linear(nn.Module):
         if self.fp8:
             self.fp8_input = ScalingState(E4M3, self.scaling, device)
             self.fp8_weight = ScalingState(E4M3, self.scaling, device)
-            self.fp8_grad_output = ScalingState(E5M2, self.scaling, device)
+            grad_fmt = E4M3 if self.scaling.grad_format == "e4m3" else E5M2
+            self.fp8_grad_output = ScalingState(grad_fmt, self.scaling, device)
         self.reset_parameters()
 
     @property
@@ -287,6 +288,12 @@ class Linear(nn.Module):
             return
         if not self.fp8:
             raise ValueError(f"level {recipe.level}: a {recipe.weight} weight needs FP8 GEMMs")
+        if self.scaling.granularity != "tensor":
+            raise NotImplementedError(
+                f"level {recipe.level} with fp8 granularity {self.scaling.granularity!r}: "
+                f"{recipe.weight} weights, FP8 weight gradients and the low-bit optimizer "
+                "keep one scale per tensor; row/block scaling is built for te only so far"
+            )
         dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
         stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
         self.weight = nn.Parameter(stored.data)
@@ -330,6 +337,8 @@ class Linear(nn.Module):
             if input_comm is not None:
                 raise ValueError("input_comm needs an FP8 recipe")
             return F.linear(x, self.weight, self.bias)
+        if self.scaling.granularity != "tensor":
+            return self._blockwise_forward(x, input_comm)
         lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
         y = Fp8LinearFunction.apply(
             x.reshape(-1, self.in_features),
@@ -346,6 +355,28 @@ class Linear(nn.Module):
         )
         return y.reshape(*lead, self.out_features)
 
+    def _blockwise_forward(self, x: torch.Tensor, input_comm) -> torch.Tensor:
+        granularity = self.scaling.granularity
+        if self.lowered:
+            raise NotImplementedError(
+                f"fp8 granularity {granularity!r} is built for high-precision weights (the te "
+                f"level) only so far; level {self.recipe.level} stores its weights in "
+                f"{self.recipe.weight} with one scale per tensor"
+            )
+        if input_comm is not None:
+            raise NotImplementedError(
+                f"fp8 granularity {granularity!r} with sequence parallelism (FP8 all-gather "
+                "of the input) is not built yet"
+            )
+        y = BlockFp8LinearFunction.apply(
+            x.reshape(-1, self.in_features),
+            self.weight,
+            self.bias,
+            self.scaling,
+            self.health if self.track_health else None,
+        )
+        return y.reshape(*x.shape[:-1], self.out_features)
+
     @torch.no_grad()
     def fp8_stats(self) -> dict[str, float]:
         """Latest amax and scale of each role, e.g. {"input_amax": ..., "input_scale": ...},
@@ -356,16 +387,22 @@ class Linear(nn.Module):
         states = self.fp8_states()
         if not states:
             return {}
+        if self.scaling.granularity != "tensor":
+            states = {}  # row/block scales are per step and per block: no state to report
         tensors = [t for s in states.values() for t in (s.amax_history[0], s.scale)]
         keys = [f"{role}_{what}" for role in states for what in ("amax", "scale")]
         keys += list(self.health)  # underflow/saturation fractions of the last tracked pass
         tensors += [t.float() for t in self.health.values()]
-        return dict(zip(keys, torch.stack(tensors).tolist()))
+        return dict(zip(keys, torch.stack(tensors).tolist())) if tensors else {}
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, "
         s += f"bias={self.bias is not None}"
         if self.fp8:
             r = self.scaling
-            s += f", fp8=E4M3/E5M2 {r.mode}(history={r.amax_history_len}, margin={r.margin})"
+            grad = r.grad_format.upper()
+            if r.granularity == "tensor":
+                s += f", fp8=E4M3/{grad} {r.mode}(history={r.amax_history_len}, margin={r.margin})"
+            else:
+                s += f", fp8=E4M3/{grad} {r.granularity}-wise current(margin={r.margin})"
         return s

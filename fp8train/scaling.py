@@ -19,6 +19,7 @@ Everything that must survive a checkpoint is a tensor buffer of ``ScalingState``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,14 @@ _SCALE_MAX = 2.0**126
 
 @dataclass(frozen=True)
 class ScalingRecipe:
-    """How per-tensor FP8 scales are chosen.
+    """How FP8 scales are chosen.
 
     mode: "delayed" (scale from the max of an amax history, MS-AMP/TE style) or "current"
     (scale from this tensor's own amax, computed now).
+    granularity: "tensor" (one scale per tensor), "row" or "block" (one per row or tile of a
+    GEMM operand, fp8train/blockwise.py; current scaling only).
+    grad_format: the output gradient's FP8 format, "e5m2" (the hybrid recipe) or "e4m3" (the
+    block recipes' choice: DeepSeek-V3, Transformer Engine's block scaling).
     """
 
     mode: str = "delayed"
@@ -47,10 +52,24 @@ class ScalingRecipe:
     margin: int = 0
     power_of_two: bool = False
     warmup_steps: int = 1  # delayed scaling uses current scaling for this many first steps
+    granularity: str = "tensor"
+    grad_format: str = "e5m2"
 
     def __post_init__(self):
         if self.mode not in ("delayed", "current"):
             raise ValueError(f"scaling mode {self.mode!r}: choose 'delayed' or 'current'")
+        if self.granularity not in ("tensor", "row", "block"):
+            raise ValueError(
+                f"fp8 granularity {self.granularity!r}: choose 'tensor', 'row' or 'block'"
+            )
+        if self.granularity != "tensor" and self.mode != "current":
+            raise ValueError(
+                f"fp8 granularity {self.granularity!r} scales from the current amax of each "
+                "row or block: set the scaling mode to 'current' (delayed scaling keeps one "
+                "amax history per tensor)"
+            )
+        if self.grad_format not in ("e5m2", "e4m3"):
+            raise ValueError(f"fp8 grad format {self.grad_format!r}: choose 'e5m2' or 'e4m3'")
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len={self.amax_history_len}: must be >= 1")
         if self.margin < 0:
@@ -74,15 +93,59 @@ def compute_scale(
     amax = torch.as_tensor(amax, dtype=torch.float32)
     if fallback is None:
         fallback = torch.ones_like(amax)
-    scale = (fmt.max / amax / 2.0**margin).clamp(_SCALE_MIN, _SCALE_MAX)
+    scale = fmt.max / amax
+    if margin:  # a division by 1.0 changes nothing but costs a launch
+        scale = scale / 2.0**margin
+    scale = scale.clamp(_SCALE_MIN, _SCALE_MAX)
     if power_of_two:
         # frexp is exact (log2 + floor can land on the wrong side of a power of two):
         # scale = m * 2**e with m in [0.5, 1), so scale / (2m) = 2**(e-1) exactly.
         mantissa, _ = torch.frexp(scale)
         scale = scale / (2.0 * mantissa)
-    usable = (amax > 0) & torch.isfinite(amax)
+    # 0 < amax < inf: false for 0, inf and NaN alike (isfinite costs four operations).
+    usable = (amax > 0) & (amax < math.inf)
     fallback = torch.as_tensor(fallback, dtype=torch.float32, device=amax.device)
     return torch.where(usable, scale, fallback)
+
+
+def _scale_step(
+    amax: torch.Tensor,
+    history: torch.Tensor,
+    scale_buf: torch.Tensor,
+    step: torch.Tensor,
+    recover: torch.Tensor,
+    nonfinite: torch.Tensor,
+    *,
+    fmt: FP8Format,
+    margin: int,
+    power_of_two: bool,
+    mode: str,
+    warmup_steps: int,
+    update: bool,
+) -> torch.Tensor:
+    """``ScalingState.scale_for`` on its buffers (updated in place when ``update``).
+
+    Written for few operations: on a GPU each is a launch on one-element tensors, and a
+    GPT-1.3B step at te ran about 400 of these updates (docs/BENCHMARKS.md, "GPU"). Current
+    and delayed scaling share one ``compute_scale`` of the chosen amax, which is exact: it
+    works element by element with the same fallback.
+    """
+    amax = amax.float().reshape(())
+    if mode == "current":
+        chosen = amax
+    else:
+        use_current = (step < warmup_steps) | recover
+        chosen = torch.where(use_current, amax, history.amax())
+    scale = compute_scale(chosen, fmt, margin, power_of_two, fallback=scale_buf)
+    if update:
+        finite = amax.abs() < math.inf  # false for inf and NaN
+        newest = torch.where(finite, amax, 0.0).reshape(1)  # non-finite amaxes are stored as 0
+        history.copy_(torch.cat((newest, history[:-1])))
+        scale_buf.copy_(scale)
+        step.add_(1)
+        torch.logical_not(finite, out=recover)
+        nonfinite.add_(recover)
+    return scale
 
 
 class ScalingState(nn.Module):
@@ -116,36 +179,24 @@ class ScalingState(nn.Module):
             self.recover.fill_(False)
             self.nonfinite.zero_()
 
-    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
-        r = self.recipe
-        return compute_scale(amax, self.fmt, r.margin, r.power_of_two, fallback=self.scale)
-
     @torch.no_grad()
     def scale_for(self, amax: torch.Tensor, update: bool = True) -> torch.Tensor:
         """The scale to cast a tensor whose amax is ``amax`` with; records it when ``update``.
 
         Returns a fresh fp32 scalar tensor (never an alias of the buffer).
         """
-        amax = amax.detach().float().reshape(())
-        current = self._scale(amax)
-        if self.recipe.mode == "current":
-            scale = current
-        else:
-            delayed = self._scale(self.amax_history.amax())
-            use_current = (self.step < self.recipe.warmup_steps) | self.recover
-            scale = torch.where(use_current, current, delayed)
-        if update:
-            self._record(amax, scale)
-        return scale
-
-    def _record(self, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        finite = torch.isfinite(amax)
-        self.amax_history.copy_(torch.roll(self.amax_history, 1))
-        self.amax_history[0] = torch.where(finite, amax, torch.zeros_like(amax))
-        self.scale.copy_(scale)
-        self.step.add_(1)
-        self.recover.copy_(~finite)
-        self.nonfinite.add_((~finite).to(torch.int64))
+        r = self.recipe
+        buffers = (self.amax_history, self.scale, self.step, self.recover, self.nonfinite)
+        return _scale_step(
+            amax.detach(),
+            *buffers,
+            fmt=self.fmt,
+            margin=r.margin,
+            power_of_two=r.power_of_two,
+            mode=r.mode,
+            warmup_steps=r.warmup_steps,
+            update=update,
+        )
 
     def _apply(self, fn, recurse=True):
         # model.half() / model.to(torch.bfloat16) must move this state, never round it:

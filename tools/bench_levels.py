@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench_levels.py --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
     .venv/bin/python tools/bench_levels.py --model roberta --config configs/roberta_tiny.yaml ...
     .venv/bin/python tools/bench_levels.py --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
+    .venv/bin/python tools/bench_levels.py --levels bf16 te te@row te@block  # fp8_granularity
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
@@ -38,11 +39,21 @@ def _finished(metrics: Path, iters: int) -> bool:
     return bool(lines) and json.loads(lines[-1]).get("iteration") == iters
 
 
+def granularity_overrides(level: str) -> tuple[str, list[str]]:
+    """``"te@block"`` -> ``("te", [precision.fp8_granularity=block, fp8_recipe=current])``:
+    a level with row- or block-wise FP8 scales (current scaling, which they need)."""
+    level, _, granularity = level.partition("@")
+    if not granularity:
+        return level, []
+    return level, [f"precision.fp8_granularity={granularity}", "precision.fp8_recipe=current"]
+
+
 def run_level(
     level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False, model="gpt"
 ):
     run_dir = out / level
-    name, param_dtype = split_level(level)  # "te:bf16": precision.param_dtype=bf16 too
+    spec, scaling = granularity_overrides(level)
+    name, param_dtype = split_level(spec)  # "te:bf16": precision.param_dtype=bf16 too
     cmd = [
         sys.executable,
         "-m",
@@ -59,6 +70,7 @@ def run_level(
         f"logging.dir={run_dir}",
         "checkpoint.resume=false",
         "checkpoint.save_interval=0",
+        *scaling,
         *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")

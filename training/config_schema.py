@@ -160,6 +160,18 @@ class PrecisionConfig(_Section):
     amax_history_len: int = _f(16, "Steps of amax history for delayed scaling.", ge=1)
     fp8_margin: int = _f(0, "Scale down by 2**margin for headroom below the FP8 maximum.", ge=0)
     fp8_power_of_two: bool = _f(False, "Round FP8 scales to powers of two.")
+    fp8_granularity: Literal["tensor", "row", "block"] = _f(
+        "tensor",
+        "FP8 scales per tensor; per row of each GEMM operand along its reduction dimension "
+        "(row, torchao's row-wise); or per 1x128 tile of activations and gradients and "
+        "128x128 block of weights (block, DeepSeek-V3). row and block need "
+        "precision.fp8_recipe=current and, so far, precision.level=te.",
+    )
+    fp8_grad_format: Literal["e5m2", "e4m3"] = _f(
+        "e5m2",
+        "FP8 format of the output gradient: e5m2 (the hybrid recipe) or e4m3 (the block "
+        "recipes' choice).",
+    )
     fp8_gemm_backend: Literal["auto", "scaled_mm", "emulated"] = _f(
         "auto", "auto = torch._scaled_mm where it works, else emulated (cast, then GEMM)."
     )
@@ -183,6 +195,22 @@ class PrecisionConfig(_Section):
             self.recipe()
         except ValueError as err:
             raise self._err(str(err)) from None
+        self._check_granularity()
+
+    def _check_granularity(self) -> None:
+        if self.fp8_granularity == "tensor":
+            return
+        key = f"precision.fp8_granularity={self.fp8_granularity}"
+        if self.fp8_recipe != "current":
+            raise self._err(
+                f"{key} scales from each row's or block's current amax: set "
+                "precision.fp8_recipe=current (delayed scaling keeps one history per tensor)"
+            )
+        if self.level != "te":
+            raise self._err(
+                f"{key} is built for precision.level=te only so far (level {self.level} keeps "
+                "one scale per tensor for its low-bit weights, gradients and optimizer states)"
+            )
 
     def recipe(self):
         """This section's row of the precision table (``fp8train.precision``)."""
@@ -299,6 +327,16 @@ class Config:
             if not isinstance(getattr(self, f.name), sections[f.name]):
                 raise ConfigError(f"config: {f.name} must be a {sections[f.name].__name__}")
         self.model.check_parallel(self.parallel)  # the family's split rules
+        if self.precision.fp8_granularity == "block":
+            from fp8train.blockwise import BLOCK
+
+            self.model.check_fp8_blocks(self.parallel, BLOCK)
+        if self.precision.fp8_granularity != "tensor" and self.parallel.sequence_parallel:
+            raise ConfigError(
+                f"config: precision.fp8_granularity={self.precision.fp8_granularity} with "
+                "parallel.sequence_parallel=true is not built yet (the FP8 all-gather of the "
+                "input carries one scale per tensor)"
+            )
 
         # megatron-core's scheduler asserts this; say it in the config's own words instead.
         decay = self.resolved_lr_decay_iters()

@@ -105,6 +105,8 @@ def scaling_recipe(cfg: Config) -> ScalingRecipe:
         amax_history_len=p.amax_history_len,
         margin=p.fp8_margin,
         power_of_two=p.fp8_power_of_two,
+        granularity=p.fp8_granularity,
+        grad_format=p.fp8_grad_format,
     )
 
 

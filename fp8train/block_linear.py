@@ -1,0 +1,95 @@
+"""The FP8 linear with row-wise or block-wise scales (``ScalingRecipe.granularity``).
+
+Each GEMM reads its operands along its own reduction dimension, so each operand is quantized
+in the layout that GEMM reduces over, from the high-precision tensor, with current scales:
+
+    forward      y  = x · Wᵀ     x [M,K] along K;  W [N,K] along K
+    input grad   dx = g · W      g [M,N] along N;  Wᵀ [K,N] along N
+    weight grad  dW = gᵀ · x     gᵀ [N,M] along M; xᵀ [K,M] along M
+
+``block``: x, g, gᵀ and xᵀ in 1x128 tiles, W in 128x128 blocks whose transpose is Wᵀ's
+quantization (one cast of the weight serves both GEMMs, the reason for square blocks).
+``row``: one scale per row of each operand, so Wᵀ is a second cast of the weight.
+What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activation, as the
+per-tensor path keeps x) and Wᵀ (a view at ``block``).
+
+No scaling state: every scale is this step's, so activation recompute casts the same bytes
+again. Weights and weight gradients stay in high precision (the te level); the low-bit levels
+(O1-O3) keep per-tensor scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blockwise import BlockFloat8Tensor, operand_block, per_element, quantize_blocks
+from .formats import E4M3, FORMATS
+from .gemm import fp8_gemm
+from .scaling import ScalingRecipe
+
+__all__ = ["BlockFp8LinearFunction", "block_health"]
+
+
+def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
+    block = operand_block(scaling.granularity, weight, x.shape[1])
+    return quantize_blocks(x, fmt, block, scaling.margin, scaling.power_of_two)
+
+
+def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
+    """Fractions of ``x`` lost to its cast, as ``linear._record_health`` measures them for a
+    per-tensor cast: nonzero values flushed to zero, values clipped at the maximum."""
+    stored = q.data.float()
+    nonzero = x != 0
+    health[f"{role}_underflow"] = (nonzero & (stored == 0)).sum() / nonzero.sum().clamp(min=1)
+    scale = per_element(q.scale_inv.reciprocal(), q.block, tuple(x.shape))
+    clipped = (x.float() * scale).abs() > q.fmt.clip_threshold
+    health[f"{role}_saturated"] = clipped.float().mean()
+
+
+class BlockFp8LinearFunction(torch.autograd.Function):
+    """``y = x Wᵀ + b`` with the three GEMMs on row- or block-scaled FP8 operands. x is 2-D
+    [M, K]; W [N, K] in FP32 or BF16; b [N] or None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling: ScalingRecipe, health):
+        w = weight.detach()
+        x8 = _cast(x.detach(), scaling, E4M3, weight=False)
+        w8 = _cast(w, scaling, E4M3, weight=True)
+        y = fp8_gemm(x8, w8, out_dtype=torch.float32)
+        if bias is not None:
+            y = y + bias.float()
+        if health is not None:
+            block_health(health, "input", x.detach(), x8)
+            block_health(health, "weight", w, w8)
+        xt8 = _cast(x.detach().t(), scaling, E4M3, weight=False)  # for dW, along M
+        # For dx, along N: block's 128x128 weight blocks transpose as they are; rows are not.
+        wt8 = w8.t() if scaling.granularity == "block" else _cast(w.t(), scaling, E4M3, True)
+        ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
+        ctx.blocks = xt8.block, wt8.block
+        ctx.scaling, ctx.health = scaling, health
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        xt_data, xt_sinv, wt_data, wt_sinv = ctx.saved_tensors
+        xt8 = BlockFloat8Tensor(xt_data, xt_sinv, E4M3, ctx.blocks[0])
+        wt8 = BlockFloat8Tensor(wt_data, wt_sinv, E4M3, ctx.blocks[1])
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        fmt = FORMATS[ctx.scaling.grad_format.upper()]
+        g = g.detach()
+        dx = dw = db = None
+        if need_x:
+            g8 = _cast(g, ctx.scaling, fmt, weight=False)  # along N
+            if ctx.health is not None:
+                block_health(ctx.health, "grad_output", g, g8)
+            dx = fp8_gemm(g8, wt8, out_dtype=x_dtype)  # [M,N]·[K,N]ᵀ
+        if need_w:
+            gt8 = _cast(g.t(), ctx.scaling, fmt, weight=False)  # along M
+            if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
+                block_health(ctx.health, "grad_output", g.t(), gt8)
+            dw = fp8_gemm(gt8, xt8, out_dtype=w_dtype)  # [N,M]·[K,M]ᵀ
+        if need_b:
+            db = g.float().sum(0).to(b_dtype)
+        return dx, dw, db, None, None

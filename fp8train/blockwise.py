@@ -1,0 +1,160 @@
+"""Row-wise and block-wise FP8 scaling: one scale per row, or per tile, of a GEMM operand.
+
+A per-tensor scale lets one outlier channel push every other value of the tensor toward
+E4M3's subnormals. Finer scales confine it:
+
+- ``row``: one scale per row of each GEMM operand along the reduction dimension (torchao's
+  row-wise recipe). Operand ``[R, K]`` of ``a @ b.T`` -> scales ``[R, 1]``.
+- ``block``: DeepSeek-V3's tiles, as Transformer Engine's ``Float8BlockScaling``: 1x128 along
+  the reduction dimension for activations and output gradients (scales ``[R, ceil(K/128)]``),
+  128x128 for weights (``[ceil(R/128), ceil(K/128)]``), so a weight's blocks serve its
+  transpose too.
+
+A dimension that is not a multiple of the block gets a partial last block. Scales are current
+(this tensor's amax per block, now): delayed scaling keeps one amax history per tensor and
+stays with ``tensor`` granularity.
+
+``BlockFloat8Tensor`` holds the FP8 bytes, the per-block ``scale_inv`` and the block shape;
+``block_gemm`` computes ``a @ b.T`` the way DeepSeek-V3 promotes its accumulation: each
+K block's partial product in FP32, scaled by both operands' block scales, added to an FP32
+accumulator (``tests/test_blockwise.py`` checks it against float64 with the same blocking).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .formats import FP8Format, cast_to_fp8
+
+__all__ = [
+    "BLOCK",
+    "GRANULARITIES",
+    "BlockFloat8Tensor",
+    "block_gemm",
+    "block_amax",
+    "operand_block",
+    "per_element",
+    "quantize_blocks",
+]
+
+GRANULARITIES = ("tensor", "row", "block")
+BLOCK = 128  # DeepSeek-V3's tile and Transformer Engine's block: 128 along each blocked dim
+
+
+def operand_block(granularity: str, weight: bool, k: int) -> tuple[int, int]:
+    """The (rows, columns) block of a GEMM operand laid out ``[R, K]`` (K reduced): ``row``
+    -> ``(1, K)``; ``block`` -> ``(128, 128)`` for a weight, ``(1, 128)`` otherwise."""
+    if granularity == "row":
+        return 1, k
+    if granularity == "block":
+        return (BLOCK, BLOCK) if weight else (1, BLOCK)
+    raise ValueError(f"fp8 granularity {granularity!r}: row or block here ('tensor' is per tensor)")
+
+
+def _grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+@dataclass(frozen=True)
+class BlockFloat8Tensor:
+    """FP8 ``data [R, C]`` whose block ``(i, j)`` (rows ``i*br ...``, columns ``j*bc ...``)
+    dequantizes as ``data * scale_inv[i, j]``."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor  # [ceil(R/br), ceil(C/bc)] fp32
+    fmt: FP8Format
+    block: tuple[int, int]
+
+    def __post_init__(self):
+        if self.data.dtype != self.fmt.dtype or self.data.dim() != 2:
+            raise TypeError(f"BlockFloat8Tensor {self.fmt}: data is {self.data.dtype}")
+        grid = _grid(tuple(self.data.shape), self.block)
+        if self.scale_inv.dtype != torch.float32 or tuple(self.scale_inv.shape) != grid:
+            raise TypeError(
+                f"BlockFloat8Tensor: scale_inv {tuple(self.scale_inv.shape)} "
+                f"{self.scale_inv.dtype} for data {tuple(self.data.shape)} in blocks "
+                f"{self.block}: want {grid} fp32"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> BlockFloat8Tensor:
+        """The transpose (a view of the bytes): blocks and scales transpose with it."""
+        return BlockFloat8Tensor(
+            self.data.t(), self.scale_inv.t(), self.fmt, (self.block[1], self.block[0])
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # fp8 -> fp32 is exact; the one rounding is the product with the block's scale_inv.
+        spread = per_element(self.scale_inv, self.block, tuple(self.data.shape))
+        return (self.data.float() * spread).to(dtype)
+
+
+def per_element(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """A per-block tensor ``[Rb, Cb]`` spread to one value per element of ``shape``."""
+    (r, c), (br, bc) = shape, block
+    return t.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``max |x|`` over each block of a 2-D ``x``: ``[ceil(R/br), ceil(C/bc)]`` fp32. Partial
+    last blocks are padded with zeros, which never raise an amax (NaN still propagates)."""
+    r, c = x.shape
+    br, bc = block
+    rb, cb = _grid((r, c), block)
+    padded = F.pad(x.detach().float(), (0, cb * bc - c, 0, rb * br - r))
+    return padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3))
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    block: tuple[int, int],
+    margin: int = 0,
+    power_of_two: bool = False,
+) -> BlockFloat8Tensor:
+    """Cast 2-D ``x`` to ``fmt`` with one current scale per block: ``fmt.max / amax /
+    2**margin`` (a power of two at most that with ``power_of_two``), saturating, round to
+    nearest even. A block of zeros (or one with a non-finite amax) gets scale 1."""
+    from .scaling import compute_scale  # scaling imports formats too; no cycle at call time
+
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blocks: a 2-D tensor, not {tuple(x.shape)}")
+    block = (min(block[0], max(x.shape[0], 1)), min(block[1], max(x.shape[1], 1)))
+    scale = compute_scale(block_amax(x, block), fmt, margin, power_of_two, fallback=1.0)
+    data = cast_to_fp8(x.detach(), fmt, per_element(scale, block, tuple(x.shape)))
+    return BlockFloat8Tensor(data, scale.reciprocal(), fmt, block)
+
+
+def _k_blocks(a: BlockFloat8Tensor, b: BlockFloat8Tensor) -> int:
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"block_gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}.T does not fit")
+    if a.block[1] != b.block[1]:
+        raise ValueError(
+            f"block_gemm: the operands' blocks along K differ ({a.block[1]} and {b.block[1]})"
+        )
+    return a.block[1]
+
+
+def block_gemm(
+    a: BlockFloat8Tensor, b: BlockFloat8Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``a @ b.T`` -> ``[M, N]``: per K block, the FP32 product of the FP8 bytes times both
+    operands' scales of that block, summed in FP32 (DeepSeek-V3's promoted accumulation)."""
+    bk = _k_blocks(a, b)
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+    for j in range(math.ceil(k / bk)):
+        cols = slice(j * bk, (j + 1) * bk)
+        part = a.data[:, cols].float() @ b.data[:, cols].float().t()
+        sa = a.scale_inv[:, j].repeat_interleave(a.block[0])[:m]
+        sb = b.scale_inv[:, j].repeat_interleave(b.block[0])[:n]
+        acc += part * sa[:, None] * sb[None, :]
+    return acc.to(out_dtype)

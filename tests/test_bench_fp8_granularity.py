@@ -1,0 +1,25 @@
+"""tools/bench_fp8_granularity.py at a small size: every row of every case, and the table
+written between its markers."""
+
+from __future__ import annotations
+
+import re
+
+from tools import bench_fp8_granularity as bench
+
+
+def test_table_rows_and_write(tmp_path, capsys):
+    doc = tmp_path / "BENCH.md"
+    bench.main(["--tokens", "64", "--size", "256", "--write", str(doc)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(bench.CASES) * len(bench.ROWS)
+    text = doc.read_text()
+    assert "bench_fp8_granularity:begin" in text and "--tokens 64" in text
+    values = {}
+    for line in rows[1:]:
+        case, name, *db = [c.strip() for c in line.strip("|").split("|")]
+        values[case, name] = [float(v) for v in db]
+        assert all(re.fullmatch(r"-?\d+\.\d", v) for v in db)
+    # Blocks confine an outlier input channel to its own tiles: y is at least tensor's.
+    outlier = "outlier input channels"
+    assert values[outlier, "block"][0] >= values[outlier, "tensor (torchao tensorwise)"][0]

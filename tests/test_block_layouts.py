@@ -1,0 +1,73 @@
+"""Block-wise FP8 scaling (``precision.fp8_granularity=block``, te) through ``pretrain``: TP=2,
+PP=2 and DP=2 with the distributed optimizer against the single-process run, and resume from
+a checkpoint bit for bit, in forked ranks shared between the tests.
+
+The tiny GPT is widened to hidden 256 with 2 heads so that TP=2 cuts every weight on a block
+boundary (MLP 1024 -> 512 per rank, attention 256 -> 128): each rank then casts the same tiles
+as the single process, and the layouts differ only in the order FP32 partial sums are added
+(TP's all-reduce, DP's gradient reduce-scatter, PP's stage boundary). Such a difference can flip
+an E4M3 rounding of a later step's weight or activation by one ulp (2**-4 relative); the loss
+bar is test_tp_training.py's FP8 one, 2e-3, set by the same mechanism.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import REPO, tiny_overrides
+from multiproc import pretrain_ranks
+
+TINY = str(REPO / "configs/gpt_tiny.yaml")
+BLOCK = {
+    "model.hidden_size": 256,
+    "precision.fp8_granularity": "block",
+    "precision.fp8_recipe": "current",
+}
+LAYOUTS = {  # name: (ranks, overrides)
+    "tp2": (2, {"parallel.tensor": 2}),
+    "pp2": (2, {"parallel.pipeline": 2}),
+    "dp2_dist_opt": (2, {"optimizer.distributed": "true"}),
+}
+
+
+def _losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["lm loss"] for x in lines]
+
+
+@pytest.fixture(scope="module")
+def block_runs(tiny_data, tmp_path_factory):
+    """The single-process run, every layout of ``LAYOUTS``, and a run resumed at iteration 3
+    from the single-process run's checkpoint (``checkpoint.load``)."""
+    root = tmp_path_factory.mktemp("block_runs")
+    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref", "te", **BLOCK))])
+    saved = root / "ref" / "checkpoints" / "iter_0000003"
+    kept = root / "iter_0000003"  # the run keeps 2 checkpoints: copy it before anything else
+    shutil.copytree(saved, kept)
+    resumed = tiny_overrides(
+        tiny_data, root / "resumed", "te", **BLOCK, **{"checkpoint.load": kept}
+    )
+    pretrain_ranks(1, [(TINY, resumed)])
+    for name, (world, extra) in LAYOUTS.items():
+        overrides = tiny_overrides(tiny_data, root / name, "te", **BLOCK, **extra)
+        pretrain_ranks(world, [(TINY, overrides)], timeout=400)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(block_runs, layout):
+    reference = _losses(block_runs / "ref")
+    assert len(reference) == 6
+    assert _losses(block_runs / layout) == pytest.approx(reference, rel=2e-3)
+
+
+def test_resume_is_bitwise(block_runs):
+    # Same operations in the same order on the same shapes after the checkpoint: the block
+    # scales are recomputed from the same tensors, so the losses are equal to the last bit.
+    reference = _losses(block_runs / "ref")
+    resumed = _losses(block_runs / "resumed")
+    assert resumed == reference[3:]
+    meta = json.loads((block_runs / "ref/checkpoints/iter_0000006/metadata.json").read_text())
+    assert meta["config"]["precision"]["fp8_granularity"] == "block"
