@@ -50,9 +50,19 @@ def block_runs(tiny_data, tmp_path_factory):
         tiny_data, root / "resumed", "te", **BLOCK, **{"checkpoint.load": kept}
     )
     pretrain_ranks(1, [(TINY, resumed)])
+    recompute = {"model.recompute": "full"}
+    pretrain_ranks(
+        1, [(TINY, tiny_overrides(tiny_data, root / "recompute", "te", **BLOCK, **recompute))]
+    )
     for name, (world, extra) in LAYOUTS.items():
         overrides = tiny_overrides(tiny_data, root / name, "te", **BLOCK, **extra)
         pretrain_ranks(world, [(TINY, overrides)], timeout=400)
+    # The TP=2 run's checkpoint at iteration 3, resharded onto one process.
+    tp2_saved = root / "tp2" / "checkpoints" / "iter_0000003"
+    resharded = {"checkpoint.load": tp2_saved}
+    pretrain_ranks(
+        1, [(TINY, tiny_overrides(tiny_data, root / "tp2_to_tp1", "te", **BLOCK, **resharded))]
+    )
     return root
 
 
@@ -61,6 +71,19 @@ def test_layout_matches_one_process(block_runs, layout):
     reference = _losses(block_runs / "ref")
     assert len(reference) == 6
     assert _losses(block_runs / layout) == pytest.approx(reference, rel=2e-3)
+
+
+def test_recompute_is_bitwise(block_runs):
+    # Current block scales: the recomputed forward casts the same tensors to the same bytes.
+    assert _losses(block_runs / "recompute") == _losses(block_runs / "ref")
+
+
+def test_tp2_checkpoint_resumes_on_one_process(block_runs):
+    # Resharding TP=2 -> TP=1 moves FP32 weights (te stores no FP8 state: every scale is
+    # recomputed each step); the resumed run continues the TP=2 run within the layout bar.
+    tp2 = _losses(block_runs / "tp2")
+    resumed = _losses(block_runs / "tp2_to_tp1")
+    assert len(resumed) == 3 and resumed == pytest.approx(tp2[3:], rel=2e-3)
 
 
 def test_resume_is_bitwise(block_runs):
