@@ -14,8 +14,10 @@ What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activat
 per-tensor path keeps x) and Wᵀ (a view at ``block``).
 
 No scaling state: every scale is this step's, so activation recompute casts the same bytes
-again. Weights and weight gradients stay in high precision (the te level); the low-bit levels
-(O1-O3) keep per-tensor scales.
+again. The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP16
+master dequantized (O1, O2). At O1/O2 the weight gradient, an FP32 GEMM output, is added to
+the weight's FP8 gradient slot, which keeps one scale per tensor (a storage format, apart from
+the GEMM operands' scales). O3's FP8 weights keep per-tensor scales and refuse row/block.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor)
 
 class BlockFp8LinearFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` with the three GEMMs on row- or block-scaled FP8 operands. x is 2-D
-    [M, K]; W [N, K] in FP32 or BF16; b [N] or None."""
+    [M, K]; W [N, K] in FP32 or BF16, or FP16 with ``w_scale_inv``; b [N] or None;
+    ``grad_slot``: the weight's FP8 gradient slot (O1/O2) or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling: ScalingRecipe, health):
-        w = weight.detach()
+    def forward(ctx, x, weight, bias, scaling: ScalingRecipe, health, w_scale_inv, grad_slot):
+        w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
         x8 = _cast(x.detach(), scaling, E4M3, weight=False)
         w8 = _cast(w, scaling, E4M3, weight=True)
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
@@ -66,7 +69,7 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         wt8 = w8.t() if scaling.granularity == "block" else _cast(w.t(), scaling, E4M3, True)
         ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
         ctx.blocks = xt8.block, wt8.block
-        ctx.scaling, ctx.health = scaling, health
+        ctx.scaling, ctx.health, ctx.grad_slot = scaling, health, grad_slot
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
@@ -89,7 +92,11 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             gt8 = _cast(g.t(), ctx.scaling, fmt, weight=False)  # along M
             if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
                 block_health(ctx.health, "grad_output", g.t(), gt8)
-            dw = fp8_gemm(gt8, xt8, out_dtype=w_dtype)  # [N,M]·[K,M]ᵀ
+            slot = ctx.grad_slot
+            dw = fp8_gemm(gt8, xt8, out_dtype=torch.float32 if slot else w_dtype)  # [N,M]·[K,M]ᵀ
+            if slot is not None:  # O1/O2: into the FP8 gradient slot; autograd gets none
+                slot.accumulate(dw)
+                dw = None
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None

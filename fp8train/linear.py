@@ -288,11 +288,11 @@ class Linear(nn.Module):
             return
         if not self.fp8:
             raise ValueError(f"level {recipe.level}: a {recipe.weight} weight needs FP8 GEMMs")
-        if self.scaling.granularity != "tensor":
+        if self.scaling.granularity != "tensor" and recipe.weight == "fp8":
             raise NotImplementedError(
                 f"level {recipe.level} with fp8 granularity {self.scaling.granularity!r}: "
-                f"{recipe.weight} weights, FP8 weight gradients and the low-bit optimizer "
-                "keep one scale per tensor; row/block scaling is built for te only so far"
+                "FP8 weights keep one scale per tensor; row/block scaling is built for te, "
+                "O1 and O2 so far"
             )
         dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
         stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
@@ -357,11 +357,10 @@ class Linear(nn.Module):
 
     def _blockwise_forward(self, x: torch.Tensor, input_comm) -> torch.Tensor:
         granularity = self.scaling.granularity
-        if self.lowered:
+        if self.weight.dtype == E4M3.dtype:
             raise NotImplementedError(
-                f"fp8 granularity {granularity!r} is built for high-precision weights (the te "
-                f"level) only so far; level {self.recipe.level} stores its weights in "
-                f"{self.recipe.weight} with one scale per tensor"
+                f"fp8 granularity {granularity!r} with FP8 weights (level "
+                f"{self.recipe.level}) is not built yet: they keep one scale per tensor"
             )
         if input_comm is not None:
             raise NotImplementedError(
@@ -374,6 +373,8 @@ class Linear(nn.Module):
             self.bias,
             self.scaling,
             self.health if self.track_health else None,
+            getattr(self, "weight_scale_inv", None),
+            grad_slot(self.weight) if self.lowered else None,
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -1,6 +1,7 @@
-"""Block-wise FP8 scaling (``precision.fp8_granularity=block``, te) through ``pretrain``: TP=2,
-PP=2 and DP=2 with the distributed optimizer against the single-process run, and resume from
-a checkpoint bit for bit, in forked ranks shared between the tests.
+"""Block-wise FP8 scaling (``precision.fp8_granularity=block``) through ``pretrain``: TP=2,
+PP=2 and DP=2 with the distributed optimizer at te, DP=2 with it at O2, each against the
+single-process run of its level; resume and recompute bit for bit; a TP=2 checkpoint resumed
+on one process. Forked ranks shared between the tests.
 
 The tiny GPT is widened to hidden 256 with 2 heads so that TP=2 cuts every weight on a block
 boundary (MLP 1024 -> 512 per rank, attention 256 -> 128): each rank then casts the same tiles
@@ -25,10 +26,13 @@ BLOCK = {
     "precision.fp8_granularity": "block",
     "precision.fp8_recipe": "current",
 }
-LAYOUTS = {  # name: (ranks, overrides)
-    "tp2": (2, {"parallel.tensor": 2}),
-    "pp2": (2, {"parallel.pipeline": 2}),
-    "dp2_dist_opt": (2, {"optimizer.distributed": "true"}),
+LAYOUTS = {  # name: (level, ranks, overrides), each against the one-process run of its level
+    "tp2": ("te", 2, {"parallel.tensor": 2}),
+    "pp2": ("te", 2, {"parallel.pipeline": 2}),
+    "dp2_dist_opt": ("te", 2, {"optimizer.distributed": "true"}),
+    # O2: FP16 masters read through block casts; FP8 gradient slots and their FP8
+    # reduce-scatter keep per-tensor scales.
+    "O2_dp2_dist_opt": ("O2", 2, {"optimizer.distributed": "true"}),
 }
 
 
@@ -54,8 +58,9 @@ def block_runs(tiny_data, tmp_path_factory):
     pretrain_ranks(
         1, [(TINY, tiny_overrides(tiny_data, root / "recompute", "te", **BLOCK, **recompute))]
     )
-    for name, (world, extra) in LAYOUTS.items():
-        overrides = tiny_overrides(tiny_data, root / name, "te", **BLOCK, **extra)
+    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O2", "O2", **BLOCK))])
+    for name, (level, world, extra) in LAYOUTS.items():
+        overrides = tiny_overrides(tiny_data, root / name, level, **BLOCK, **extra)
         pretrain_ranks(world, [(TINY, overrides)], timeout=400)
     # The TP=2 run's checkpoint at iteration 3, resharded onto one process.
     tp2_saved = root / "tp2" / "checkpoints" / "iter_0000003"
@@ -68,7 +73,8 @@ def block_runs(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(block_runs, layout):
-    reference = _losses(block_runs / "ref")
+    level = LAYOUTS[layout][0]
+    reference = _losses(block_runs / ("ref" if level == "te" else f"ref_{level}"))
     assert len(reference) == 6
     assert _losses(block_runs / layout) == pytest.approx(reference, rel=2e-3)
 

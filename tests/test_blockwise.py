@@ -209,8 +209,8 @@ def test_recipe_and_levels_refuse_what_is_not_built():
     with pytest.raises(ValueError, match="granularity"):
         ScalingRecipe(mode="current", granularity="tile")
     block = ScalingRecipe(mode="current", granularity="block")
-    layer = Linear(128, 128, recipe=get_recipe("O2"), scaling=block)
-    with pytest.raises(NotImplementedError, match="te only so far"):
+    layer = Linear(128, 128, recipe=get_recipe("O3"), scaling=block)
+    with pytest.raises(NotImplementedError, match="FP8 weights keep one scale per tensor"):
         layer.lower_weight_precision()
 
 
@@ -249,5 +249,28 @@ def test_initialize_takes_the_granularity():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     other = torch.nn.Sequential(torch.nn.Linear(256, 256))
-    with pytest.raises(NotImplementedError, match="te only so far"):
-        fp8train.initialize(other, torch.optim.AdamW(other.parameters()), "O2", scaling=block)
+    with pytest.raises(NotImplementedError, match="one scale per tensor"):
+        fp8train.initialize(other, torch.optim.AdamW(other.parameters()), "O3", scaling=block)
+
+
+def test_o2_block_gradient_lands_in_the_fp8_slot():
+    # O2: the FP16 tensor-scaled master is dequantized for the block cast; the weight
+    # gradient (an FP32 GEMM output) goes into the weight's per-tensor FP8 slot, not .grad.
+    from fp8train.param_state import grad_slot
+
+    block = ScalingRecipe(mode="current", granularity="block")
+    torch.manual_seed(0)
+    layer = Linear(256, 192, recipe=get_recipe("O2"), scaling=block)
+    layer.lower_weight_precision()
+    assert layer.weight.dtype == torch.float16
+    w64 = (layer.weight.detach().double() * layer.weight_scale_inv.double()).requires_grad_()
+    x = torch.randn(96, 256, generator=torch.Generator().manual_seed(9))
+    g = torch.randn(96, 192, generator=torch.Generator().manual_seed(10))
+    x_in, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    y = layer(x_in)
+    y.backward(g)
+    (x64 @ w64.t() + layer.bias.detach().double()).backward(g.double())
+    assert layer.weight.grad is None
+    slot = grad_slot(layer.weight)
+    dw = slot.data.float() * slot.scale_inv
+    assert sqnr_db(w64.grad, dw) >= 18 and sqnr_db(x64.grad, x_in.grad) >= 18

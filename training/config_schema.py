@@ -165,7 +165,7 @@ class PrecisionConfig(_Section):
         "FP8 scales per tensor; per row of each GEMM operand along its reduction dimension "
         "(row, torchao's row-wise); or per 1x128 tile of activations and gradients and "
         "128x128 block of weights (block, DeepSeek-V3). row and block need "
-        "precision.fp8_recipe=current and, so far, precision.level=te.",
+        "precision.fp8_recipe=current and, so far, precision.level te, O1 or O2.",
     )
     fp8_grad_format: Literal["e5m2", "e4m3"] = _f(
         "e5m2",
@@ -206,10 +206,10 @@ class PrecisionConfig(_Section):
                 f"{key} scales from each row's or block's current amax: set "
                 "precision.fp8_recipe=current (delayed scaling keeps one history per tensor)"
             )
-        if self.level != "te":
+        if self.level == "O3":
             raise self._err(
-                f"{key} is built for precision.level=te only so far (level {self.level} keeps "
-                "one scale per tensor for its low-bit weights, gradients and optimizer states)"
+                f"{key} is built for precision.level te, O1 and O2 so far (O3's FP8 weights, "
+                "sharded by the distributed optimizer, keep one scale per tensor)"
             )
 
     def recipe(self):
