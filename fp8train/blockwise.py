@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import FP8Format, cast_to_fp8
+from .scaling import compute_scale
 
 __all__ = [
     "BLOCK",
@@ -122,8 +123,6 @@ def quantize_blocks(
     """Cast 2-D ``x`` to ``fmt`` with one current scale per block: ``fmt.max / amax /
     2**margin`` (a power of two at most that with ``power_of_two``), saturating, round to
     nearest even. A block of zeros (or one with a non-finite amax) gets scale 1."""
-    from .scaling import compute_scale  # scaling imports formats too; no cycle at call time
-
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks: a 2-D tensor, not {tuple(x.shape)}")
     block = (min(block[0], max(x.shape[0], 1)), min(block[1], max(x.shape[1], 1)))

@@ -197,6 +197,7 @@ def test_outlier_channels_cost_tensor_scaling_and_not_blocks():
 def test_e4m3_gradients_and_row_block_trains_a_step():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
     assert min(linear_sqnrs("block", x, grad_format="e4m3")) >= 18
+    assert min(linear_sqnrs("tensor", x, grad_format="e4m3")) >= 18  # per-tensor takes it too
     layer = Linear(256, 128, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="current"))
     assert "E5M2" in repr(layer)
     e4 = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
