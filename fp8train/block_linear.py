@@ -14,8 +14,14 @@ What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activat
 per-tensor path keeps x) and Wᵀ (a view at ``block``).
 
 No scaling state: every scale is this step's, so activation recompute casts the same bytes
-again. The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP16
-master dequantized (O1, O2). At O1/O2 the weight gradient, an FP32 GEMM output, is added to
+again. Under sequence parallelism (``input_comm``) each rank casts its own rows (their scales
+depend on those rows alone), the FP8 bytes and scales are all-gathered, and xᵀ, whose tiles
+run along the gathered rows, is cast from the gathered values (DeepSeek-V3's dequantize,
+transpose, re-quantize): a second rounding that the single-process run, which casts xᵀ from
+x itself, does not have.
+
+The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP16 master
+dequantized (O1, O2). At O1/O2 the weight gradient, an FP32 GEMM output, is added to
 the weight's FP8 gradient slot, which keeps one scale per tensor (a storage format, apart from
 the GEMM operands' scales). O3's FP8 weights keep per-tensor scales and refuse row/block.
 """
@@ -54,22 +60,31 @@ class BlockFp8LinearFunction(torch.autograd.Function):
     ``grad_slot``: the weight's FP8 gradient slot (O1/O2) or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling: ScalingRecipe, health, w_scale_inv, grad_slot):
+    def forward(
+        ctx, x, weight, bias, scaling: ScalingRecipe, health, w_scale_inv, grad_slot, input_comm
+    ):
         w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
         x8 = _cast(x.detach(), scaling, E4M3, weight=False)
+        if health is not None:  # this rank's rows, before any gather
+            block_health(health, "input", x.detach(), x8)
+        if input_comm is not None:  # this rank's rows -> all rows, FP8 bytes and their scales
+            x8 = BlockFloat8Tensor(
+                input_comm.gather(x8.data), input_comm.gather_rows(x8.scale_inv), E4M3, x8.block
+            )
         w8 = _cast(w, scaling, E4M3, weight=True)
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
         if bias is not None:
             y = y + bias.float()
         if health is not None:
-            block_health(health, "input", x.detach(), x8)
             block_health(health, "weight", w, w8)
-        xt8 = _cast(x.detach().t(), scaling, E4M3, weight=False)  # for dW, along M
+        x_full = x.detach() if input_comm is None else x8.dequantize()
+        xt8 = _cast(x_full.t(), scaling, E4M3, weight=False)  # for dW, along M
         # For dx, along N: block's 128x128 weight blocks transpose as they are; rows are not.
         wt8 = w8.t() if scaling.granularity == "block" else _cast(w.t(), scaling, E4M3, True)
         ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
         ctx.blocks = xt8.block, wt8.block
         ctx.scaling, ctx.health, ctx.grad_slot = scaling, health, grad_slot
+        ctx.input_comm = input_comm
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
@@ -88,6 +103,8 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             if ctx.health is not None:
                 block_health(ctx.health, "grad_output", g, g8)
             dx = fp8_gemm(g8, wt8, out_dtype=x_dtype)  # [M,N]·[K,N]ᵀ
+            if ctx.input_comm is not None:
+                dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
         if need_w:
             gt8 = _cast(g.t(), ctx.scaling, fmt, weight=False)  # along M
             if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
@@ -99,4 +116,4 @@ class BlockFp8LinearFunction(torch.autograd.Function):
                 dw = None
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None

@@ -362,11 +362,7 @@ class Linear(nn.Module):
                 f"fp8 granularity {granularity!r} with FP8 weights (level "
                 f"{self.recipe.level}) is not built yet: they keep one scale per tensor"
             )
-        if input_comm is not None:
-            raise NotImplementedError(
-                f"fp8 granularity {granularity!r} with sequence parallelism (FP8 all-gather "
-                "of the input) is not built yet"
-            )
+        lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
         y = BlockFp8LinearFunction.apply(
             x.reshape(-1, self.in_features),
             self.weight,
@@ -375,8 +371,9 @@ class Linear(nn.Module):
             self.health if self.track_health else None,
             getattr(self, "weight_scale_inv", None),
             grad_slot(self.weight) if self.lowered else None,
+            input_comm,
         )
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.reshape(*lead, self.out_features)
 
     @torch.no_grad()
     def fp8_stats(self) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Block-wise FP8 scaling (``precision.fp8_granularity=block``) through ``pretrain``: TP=2,
-PP=2 and DP=2 with the distributed optimizer at te, DP=2 with it at O2, each against the
+"""Block-wise FP8 scaling (``precision.fp8_granularity=block``) through ``pretrain``: TP=2
+(with and without sequence parallelism), PP=2 and DP=2 with the distributed optimizer at te, DP=2 with it at O2, each against the
 single-process run of its level; resume and recompute bit for bit; a TP=2 checkpoint resumed
 on one process. Forked ranks shared between the tests.
 
@@ -28,6 +28,9 @@ BLOCK = {
 }
 LAYOUTS = {  # name: (level, ranks, overrides), each against the one-process run of its level
     "tp2": ("te", 2, {"parallel.tensor": 2}),
+    # Sequence parallelism: FP8 rows and their scales gathered; xᵀ re-cast from the gathered
+    # values (a second E4M3 rounding of the weight gradient's input, within the FP8 bar).
+    "tp2_sp": ("te", 2, {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}),
     "pp2": ("te", 2, {"parallel.pipeline": 2}),
     "dp2_dist_opt": ("te", 2, {"optimizer.distributed": "true"}),
     # O2: FP16 masters read through block casts; FP8 gradient slots and their FP8

@@ -331,12 +331,6 @@ class Config:
             from fp8train.blockwise import BLOCK
 
             self.model.check_fp8_blocks(self.parallel, BLOCK)
-        if self.precision.fp8_granularity != "tensor" and self.parallel.sequence_parallel:
-            raise ConfigError(
-                f"config: precision.fp8_granularity={self.precision.fp8_granularity} with "
-                "parallel.sequence_parallel=true is not built yet (the FP8 all-gather of the "
-                "input carries one scale per tensor)"
-            )
 
         # megatron-core's scheduler asserts this; say it in the config's own words instead.
         decay = self.resolved_lr_decay_iters()

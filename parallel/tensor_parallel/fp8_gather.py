@@ -50,6 +50,12 @@ class SequenceGatherFp8:
         full = all_gather(local, self.group, SEQUENCE_DIM, meter=self.meter)  # [b, s, K] bytes
         return full.reshape(-1, k).view(data.dtype)
 
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``[b*s/W, C]`` of any dtype -> every rank's ``[b*s, C]``."""
+        local = t.reshape(self.batch, self.local_seq, t.shape[-1])
+        full = all_gather(local, self.group, SEQUENCE_DIM, meter=self.meter)
+        return full.reshape(-1, t.shape[-1])
+
     def scatter_grad(self, dx: torch.Tensor) -> torch.Tensor:
         """Input gradient of all rows ``[b*s, K]`` -> this rank's rows, summed over ranks."""
         k = dx.shape[-1]
