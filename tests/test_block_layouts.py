@@ -1,7 +1,7 @@
 """Block-wise FP8 scaling (``precision.fp8_granularity=block``) through ``pretrain``: TP=2
-(with and without sequence parallelism), PP=2 and DP=2 with the distributed optimizer at te, DP=2 with it at O2, each against the
-single-process run of its level; resume and recompute bit for bit; a TP=2 checkpoint resumed
-on one process. Forked ranks shared between the tests.
+(with and without sequence parallelism), PP=2 and DP=2 with the distributed optimizer at te,
+DP=2 with it at O2, each against the single-process run of its level; resume and recompute
+bit for bit; a TP=2 checkpoint resumed on one process. Forked ranks shared between the tests.
 
 The tiny GPT is widened to hidden 256 with 2 heads so that TP=2 cuts every weight on a block
 boundary (MLP 1024 -> 512 per rank, attention 256 -> 128): each rank then casts the same tiles
