@@ -61,6 +61,8 @@ __all__ = ["BASELINES", "DEFAULT_LEVELS", "LEVELS", "main", "saved_report"]
 # "level:bf16" = the level with precision.param_dtype=bf16 (BF16 activations between the FP8
 # GEMMs, as Transformer Engine runs them); the plain FP8 levels keep FP32 there.
 LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O1:bf16", "O2:bf16", "O3:bf16")
+# "level@row" / "level@block": row- or block-wise FP8 scales (precision.fp8_granularity).
+LEVELS += tuple(f"{lv}@{g}" for lv in ("te", "te:bf16", "O2:bf16") for g in ("row", "block"))
 DEFAULT_LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O2:bf16")
 BASELINES = ("plain", "torchao-tensorwise", "torchao-rowwise")
 

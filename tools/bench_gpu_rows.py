@@ -139,8 +139,10 @@ def run_config(spec: dict):
     """The run's Config: configs/gpt_1.3b.yaml with the shape, level and batch of ``spec``."""
     shape = SHAPES[spec["size"]]
     micro = spec.get("micro_batch") or shape.micro_batch
-    # "te:bf16": the level with precision.param_dtype=bf16 (BF16 parameters, FP32 masters).
-    level, param_dtype = split_level(spec.get("level") or "bf16")
+    # "te:bf16": the level with precision.param_dtype=bf16 (BF16 parameters, FP32 masters);
+    # "te:bf16@block": with row- or block-wise FP8 scales too (current scaling).
+    spec_level, _, granularity = (spec.get("level") or "bf16").partition("@")
+    level, param_dtype = split_level(spec_level)
     values = {
         "model.num_layers": spec.get("layers") or shape.layers,
         "model.hidden_size": shape.hidden,
@@ -156,6 +158,8 @@ def run_config(spec: dict):
         "precision.param_dtype": param_dtype,
         "precision.fp8_gemm_backend": spec.get("fp8_backend") or "emulated",
     }
+    if granularity:
+        values.update({"precision.fp8_granularity": granularity, "precision.fp8_recipe": "current"})
     overrides = [f"{k}={v}" for k, v in values.items()]
     return load_config(str(REPO / CONFIG), overrides, family=FAMILY.name)
 
