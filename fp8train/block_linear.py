@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .blockwise import BlockFloat8Tensor, operand_block, per_element, quantize_blocks
-from .formats import E4M3, FORMATS
+from .formats import E4M3, FORMATS, cast_health
 from .gemm import fp8_gemm
 from .scaling import ScalingRecipe
 
@@ -44,14 +44,10 @@ def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFl
 
 
 def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
-    """Fractions of ``x`` lost to its cast, as ``linear._record_health`` measures them for a
-    per-tensor cast: nonzero values flushed to zero, values clipped at the maximum."""
-    stored = q.data.float()
-    nonzero = x != 0
-    health[f"{role}_underflow"] = (nonzero & (stored == 0)).sum() / nonzero.sum().clamp(min=1)
+    """``formats.cast_health`` of one row- or block-scaled cast, each value against its own
+    block's scale."""
     scale = per_element(q.scale_inv.reciprocal(), q.block, tuple(x.shape))
-    clipped = (x.float() * scale).abs() > q.fmt.clip_threshold
-    health[f"{role}_saturated"] = clipped.float().mean()
+    health[f"{role}_underflow"], health[f"{role}_saturated"] = cast_health(x, q.data, q.fmt, scale)
 
 
 class BlockFp8LinearFunction(torch.autograd.Function):

@@ -33,7 +33,6 @@ from .scaling import compute_scale
 
 __all__ = [
     "BLOCK",
-    "GRANULARITIES",
     "BlockFloat8Tensor",
     "block_gemm",
     "block_amax",
@@ -42,7 +41,6 @@ __all__ = [
     "quantize_blocks",
 ]
 
-GRANULARITIES = ("tensor", "row", "block")
 BLOCK = 128  # DeepSeek-V3's tile and Transformer Engine's block: 128 along each blocked dim
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .fused_casts import saturating_cast
 
-__all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_to_fp8"]
+__all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_health", "cast_to_fp8"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,22 @@ def cast_to_fp8(
     else:
         y = (x.float() * scale).clamp_(-fmt.max, fmt.max)
     return y.to(fmt.dtype)
+
+
+def cast_health(
+    x: torch.Tensor, stored: torch.Tensor, fmt: FP8Format, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fractions of ``x`` lost to its cast into ``stored`` (``fmt`` values, ``scale`` one
+    value or one per element): nonzero values flushed to zero (underflow), and values the cast
+    clipped (saturation). Tensors, so recording never syncs.
+
+    Saturated means the scaled magnitude lay beyond the maximum by more than half a unit in
+    the last place there, i.e. rounding alone would have given a larger value. Stored values
+    equal to the maximum are not the measure: values just below it round to it too (about
+    3.5% of a fresh weight under current scaling, where nothing is clipped), and the amax that
+    current scaling maps onto the maximum may land a rounding error above it."""
+    nonzero = x != 0
+    flushed = (nonzero & (stored.float() == 0)).sum()
+    underflow = flushed / nonzero.sum().clamp(min=1)
+    clipped = (x.float() * scale).abs() > fmt.clip_threshold  # the product the cast computed
+    return underflow, clipped.float().mean()

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-__all__ = ["ENV", "compiled", "fusable", "saturating_cast"]
+__all__ = ["ENV", "fusable", "saturating_cast"]
 
 ENV = "FP8TRAIN_FUSED_CASTS"
 _failed = False  # a compile error turns fusion off for the rest of the process
@@ -47,42 +47,18 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fmax: float, dtype: torch.dtype)
 
 
 @functools.cache
-def _compiled(fn, constants: tuple, dynamic: bool):
-    # One compiled function per set of constants (a format's maximum, a recipe's mode): they
-    # are baked into the kernel, not read from memory. Each is a function of its own code
-    # object: dynamo keeps at most 8 compilations per code object and runs it eagerly, without
-    # a word, past that (formats x recipes x read-only calls x input dtypes would reach it;
+def _compiled_cast(fmax: float, dtype: torch.dtype):
+    # One compiled function per format, the maximum and the dtype baked into the kernel. Each
+    # gets a code object of its own: dynamo keeps at most 8 compilations per code object and
+    # runs it eagerly, without a word, past that (formats x input dtypes could reach it, and
     # ``torch.compile`` of a ``functools.partial`` shares one wrapper's code among them all).
-    kwargs = dict(constants)
-
-    def bound(*args):
-        return fn(*args, **kwargs)
+    def cast(x, scale):
+        return _cast(x, scale, fmax, dtype)
 
     own = types.FunctionType(
-        bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__
+        cast.__code__.replace(), cast.__globals__, "cast", None, cast.__closure__
     )
-    return torch.compile(own, dynamic=dynamic)
-
-
-def compiled(fn, on: torch.Tensor, *args, force: bool = False, dynamic: bool = False, **constants):
-    """``fn(*args, **constants)`` as one ``torch.compile``'d graph where ``on`` is
-    ``fusable``, else eagerly: the same operations either way. ``dynamic``: the shapes vary
-    from call to call (compile once for all of them)."""
-    eager = functools.partial(fn, **constants)
-    if not fusable(on, force):
-        return eager(*args)
-    global _failed
-    try:
-        return _compiled(fn, tuple(sorted(constants.items())), dynamic)(*args)
-    except Exception as err:  # noqa: BLE001  (any compiler failure: fall back, once, loudly)
-        _failed = True
-        warnings.warn(
-            f"fp8train: compiled FP8 kernels disabled ({type(err).__name__}: "
-            f"{str(err)[:200]}); using eager PyTorch",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return eager(*args)
+    return torch.compile(own, dynamic=True)
 
 
 def saturating_cast(
@@ -90,6 +66,17 @@ def saturating_cast(
 ) -> torch.Tensor:
     """``clamp(x * scale, ±fmax)`` rounded to ``dtype``, in one kernel where ``fusable`` and
     ``scale`` is one value; otherwise the same operations eagerly."""
-    if scale.numel() != 1:
+    if scale.numel() != 1 or not fusable(x, force):
         return _cast(x, scale, fmax, dtype)
-    return compiled(_cast, x, x, scale, force=force, dynamic=True, fmax=fmax, dtype=dtype)
+    global _failed
+    try:
+        return _compiled_cast(fmax, dtype)(x, scale)
+    except Exception as err:  # noqa: BLE001  (any compiler failure: fall back, once, loudly)
+        _failed = True
+        warnings.warn(
+            f"fp8train: compiled FP8 casts disabled ({type(err).__name__}: "
+            f"{str(err)[:200]}); using eager PyTorch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _cast(x, scale, fmax, dtype)

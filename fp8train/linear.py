@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .block_linear import BlockFp8LinearFunction
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, cast_health
 from .gemm import fp8_gemm
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import grad_slot, set_grad_slot, set_scale_inv
@@ -146,21 +146,9 @@ def _forward_quantize(
 def _record_health(
     health: dict, role: str, x: torch.Tensor, q: Float8Tensor, scale: torch.Tensor
 ) -> None:
-    """Fractions of ``x`` lost to the FP8 cast: nonzero values flushed to zero (underflow) and
-    values clipped at the format's max (saturation). Tensors, so recording never syncs.
-
-    Saturated means the scaled magnitude lay beyond the maximum by more than half a unit in
-    the last place there, i.e. rounding alone would have given a larger value. Stored values
-    equal to the maximum are not the measure: values just below it round to it too (about
-    3.5% of a fresh weight under current scaling, where nothing is clipped), and the amax that
-    current scaling maps onto the maximum may land a rounding error above it."""
-    stored = q.data.float()
-    nonzero = x != 0
-    flushed = (nonzero & (stored == 0)).sum()
-    health[f"{role}_underflow"] = flushed / nonzero.sum().clamp(min=1)
-    # The product the cast itself computed (``cast_to_fp8``).
-    clipped = (x.float() * scale).abs() > q.fmt.clip_threshold
-    health[f"{role}_saturated"] = clipped.float().mean()
+    """``formats.cast_health`` of one per-tensor cast, under ``<role>_underflow`` and
+    ``<role>_saturated``."""
+    health[f"{role}_underflow"], health[f"{role}_saturated"] = cast_health(x, q.data, q.fmt, scale)
 
 
 class Fp8LinearFunction(torch.autograd.Function):

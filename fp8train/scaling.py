@@ -27,7 +27,9 @@ from torch import nn
 
 from .formats import FP8Format
 
-__all__ = ["ScalingRecipe", "ScalingState", "compute_scale"]
+__all__ = ["GRANULARITIES", "ScalingRecipe", "ScalingState", "compute_scale"]
+
+GRANULARITIES = ("tensor", "row", "block")  # one scale per tensor, per row, per tile/block
 
 # Scales are clamped to [2**-126, 2**126] so that scale and 1/scale are both finite, normal
 # fp32 numbers: an amax of 1e-40 would otherwise give scale = inf and 0 * inf = NaN.
@@ -58,9 +60,9 @@ class ScalingRecipe:
     def __post_init__(self):
         if self.mode not in ("delayed", "current"):
             raise ValueError(f"scaling mode {self.mode!r}: choose 'delayed' or 'current'")
-        if self.granularity not in ("tensor", "row", "block"):
+        if self.granularity not in GRANULARITIES:
             raise ValueError(
-                f"fp8 granularity {self.granularity!r}: choose 'tensor', 'row' or 'block'"
+                f"fp8 granularity {self.granularity!r}: choose one of {', '.join(GRANULARITIES)}"
             )
         if self.granularity != "tensor" and self.mode != "current":
             raise ValueError(

@@ -74,9 +74,9 @@ def test_a_compile_failure_falls_back_to_eager_once(monkeypatch):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(fused_casts, "_failed", False)
-    monkeypatch.setattr(fused_casts, "_compiled", lambda *args: broken)
+    monkeypatch.setattr(fused_casts, "_compiled_cast", lambda *args: broken)
     x = torch.tensor([1.0, -3.0])
-    with pytest.warns(RuntimeWarning, match="compiled FP8 kernels disabled"):
+    with pytest.warns(RuntimeWarning, match="compiled FP8 casts disabled"):
         y = fused_casts.saturating_cast(x, torch.tensor(2.0), E4M3.max, E4M3.dtype, force=True)
     assert y.float().tolist() == [2.0, -6.0]  # the eager cast's answer
     assert not fused_casts.fusable(x, force=True)  # off for the rest of the process

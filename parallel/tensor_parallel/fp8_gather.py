@@ -45,10 +45,7 @@ class SequenceGatherFp8:
 
     def gather(self, data: torch.Tensor) -> torch.Tensor:
         """This rank's FP8 rows ``[b*s/W, K]`` -> every rank's ``[b*s, K]``, as uint8 bytes."""
-        k = data.shape[-1]
-        local = data.view(torch.uint8).view(self.batch, self.local_seq, k)
-        full = all_gather(local, self.group, SEQUENCE_DIM, meter=self.meter)  # [b, s, K] bytes
-        return full.reshape(-1, k).view(data.dtype)
+        return self.gather_rows(data.view(torch.uint8)).view(data.dtype)
 
     def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[b*s/W, C]`` of any dtype -> every rank's ``[b*s, C]``."""
