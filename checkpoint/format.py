@@ -11,8 +11,13 @@ JSON entry per tensor saying how it relates to the full single-process tensor:
     per_shard      state every tensor-parallel shard keeps for itself (FP8 scaling histories,
                    the per-shard scale of a scaled weight): the reader stacks the shards along
                    a new first dimension (one row per rank; the tensor itself at TP=1)
-    scale_inv      name of the per-tensor FP32 scale of a scaled FP16/FP8 tensor in the same
-                   file: its value is ``data * scale_inv`` (shard by shard)
+    scale_inv      name of the FP32 scale of a scaled FP16/FP8 tensor in the same file: its
+                   value is ``data * scale_inv`` (shard by shard)
+    scale_block    with ``scale_inv``: ``[rows, columns]`` of the blocks of a block-scaled FP8
+                   weight (O3 at ``fp8_granularity=block``: [128, 128]); ``scale_inv`` is then
+                   the grid, one scale per block, the last block of a dimension partial.
+                   Tensor-parallel shards are cut on block boundaries, so a shard's grid is the
+                   same rows or columns of the full grid. Absent: one scale
     pipeline_copy  another pipeline stage stores the counted copy (a tied head's embedding)
     dtype          the stored dtype (safetensors says it too; kept for readers of the JSON)
 
@@ -63,6 +68,7 @@ __all__ = [
     "optimizer_layouts",
     "reassemble",
     "reassemble_tensor",
+    "dequantize_stored",
     "is_fp8_scaling_state",
     "is_model_parameter",
 ]
@@ -378,6 +384,7 @@ def optimizer_layouts(
         if tuple(value.shape) == tuple(param_shapes.get(param, ())):
             entry = {**base, "per_shard": False}
             entry.pop("scale_inv", None)
+            entry.pop("scale_block", None)  # optimizer states keep one scale
             if f"{name}_scale_inv" in tensors:
                 entry["scale_inv"] = f"{name}_scale_inv"
         else:
@@ -385,8 +392,21 @@ def optimizer_layouts(
             split = split and key.endswith("_scale_inv")
             entry = {**base, "partition_dim": None, "blocks": 1, "per_shard": split}
             entry.pop("scale_inv", None)
+            entry.pop("scale_block", None)  # optimizer states keep one scale
         out[name] = entry
     return out
+
+
+def dequantize_stored(layout: dict, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """FP32 value of one stored piece of a scaled tensor: ``data * scale_inv``, each block by
+    its own scale when the layout has a ``scale_block`` (spread here rather than by
+    fp8train.blockwise: this reader imports no project code)."""
+    block = layout.get("scale_block")
+    if block is None:
+        return data.float() * scale_inv.float()
+    rows, cols = data.shape
+    spread = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
+    return data.float() * spread.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def reassemble_tensor(shards: list[tuple[dict, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
@@ -396,7 +416,7 @@ def reassemble_tensor(shards: list[tuple[dict, torch.Tensor, torch.Tensor | None
     for piece in counted:  # data-parallel or pipeline copies of one shard: keep one
         by_rank.setdefault(piece[0]["tp_rank"], piece)
     pieces = [by_rank[r] for r in sorted(by_rank)]
-    values = [d.float() * s.float() if s is not None else d for _, d, s in pieces]
+    values = [d if s is None else dequantize_stored(lay, d, s) for lay, d, s in pieces]
     layout = pieces[0][0]
     split = layout["partition_dim"] is not None or layout["per_shard"]
     if split and len(values) != layout["tp_size"]:

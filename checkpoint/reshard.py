@@ -19,7 +19,10 @@ Rules, per tensor:
   and second moments, so joining is exact except for values that become subnormal in the
   joint scale (absolute error at most half the format's smallest subnormal times the new
   ``scale_inv``); the full-range scale of the FP8 first moment, so one more E4M3 rounding
-  (relative error at most 2**-4 for normals).
+  (relative error at most 2**-4 for normals). Block-scaled FP8 weights (``scale_block``):
+  a shard inside one source shard takes its bytes and its rows or columns of the scale grid
+  (shards hold whole blocks); a joined one is re-quantised block by block with power-of-two
+  scales, so every value comes back exactly (a block's amax is unchanged by the join).
 - Per-shard state (``per_shard``: FP8 scaling histories and scales each shard keeps): a target
   shard inside one source shard takes its state; a joined one merges the states as one
   process would have kept them: amax histories and counters take the maximum (the amax of a
@@ -43,12 +46,14 @@ from checkpoint.format import (
     DTYPES_BY_SAFETENSORS_NAME,
     LAYOUT_KEY,
     CheckpointError,
+    dequantize_stored,
     expected_files,
     open_safetensors,
     read_layouts,
 )
 from checkpoint.store import check_format, read_metadata
-from fp8train.formats import E4M3
+from fp8train.blockwise import quantize_blocks
+from fp8train.formats import E4M3, FORMATS
 from fp8train.optim_states import quantize_into_
 
 __all__ = [
@@ -141,9 +146,17 @@ class SourceCheckpoint:
             return f.get_tensor(name)
 
 
-def requantize(value: torch.Tensor, dtype: torch.dtype, name: str):
+def _format_of(dtype: torch.dtype):
+    return next(f for f in FORMATS.values() if f.dtype == dtype)
+
+
+def requantize(value: torch.Tensor, dtype: torch.dtype, name: str, block=None):
     """``(data, scale_inv)`` of FP32 ``value`` stored as ``dtype`` by the rule that made it:
-    the full-range E4M3 scale for a first moment (``…:exp_avg``), power-of-two otherwise."""
+    the full-range E4M3 scale for a first moment (``…:exp_avg``), power-of-two otherwise; with
+    ``block`` (an O3 weight at block granularity) a power-of-two scale per block."""
+    if block is not None:
+        stored = quantize_blocks(value.float(), _format_of(dtype), tuple(block), 0, True)
+        return stored.data, stored.scale_inv
     data = torch.empty(value.shape, dtype=dtype)
     scale_inv = torch.ones((), dtype=torch.float32)
     full_range = name.endswith(":exp_avg")
@@ -208,7 +221,7 @@ class _Resharder:
             data = self.source.read(self.kind, name, r)
             if layout.get("scale_inv"):
                 scale = self.source.read(self.kind, layout["scale_inv"], r)
-                data, scaled = data.float() * scale.float(), True
+                data, scaled = dequantize_stored(layout, data, scale), True
             out.append(data)
         return out, scaled
 
@@ -227,14 +240,16 @@ class _Resharder:
         if source_full != target_full:  # the vocabulary's padding differs: via the full tensor
             ranks, parts, index = list(range(s_tp)), t_tp, t_rank
         scale_name = tl.get("scale_inv")
-        exact = src.get("scale_inv") and scale_name and self._dtype(name, src) == target.dtype
+        exact = _same_storage(src, tl, self._dtype(name, src), target.dtype)
         if len(ranks) == 1 and exact and source_full == target_full:
-            # Inside one source shard: its bytes and scale, exact.
+            # Inside one source shard: its bytes and scale, exact. A block grid is cut with its
+            # blocks (shards hold whole blocks: the config refuses a split inside one).
             data = self.source.read(self.kind, name, ranks[0])
             scale = self.source.read(self.kind, src["scale_inv"], ranks[0])
             out = {name: _sub_shard(data, dim, blocks, parts, index).contiguous()}
-            if scale_name:
-                out[scale_name] = scale
+            if src.get("scale_block") and parts > 1:
+                scale = _sub_shard(scale, dim, blocks, parts, index).contiguous()
+            out[scale_name] = scale
             return out
         values, scaled = self._values(name, ranks)
         joined = _join(values, dim, blocks)
@@ -275,7 +290,7 @@ class _Resharder:
         rank = next(iter(shards))
         src = shards[rank][0]
         scale_name = target.layout.get("scale_inv")
-        if src.get("scale_inv") and scale_name and self._dtype(name, src) == target.dtype:
+        if _same_storage(src, target.layout, self._dtype(name, src), target.dtype):
             # Same storage: bytes and scale as they are.
             data = self.source.read(self.kind, name, rank)
             return {name: data, scale_name: self.source.read(self.kind, src["scale_inv"], rank)}
@@ -283,12 +298,23 @@ class _Resharder:
         return _store(name, values[0], target)
 
 
+def _same_storage(src: dict, target: dict, src_dtype, target_dtype) -> bool:
+    """Whether a scaled source piece can be copied as it is: the target is scaled the same way
+    (dtype, and one scale or the same blocks)."""
+    return bool(
+        src.get("scale_inv")
+        and target.get("scale_inv")
+        and src_dtype == target_dtype
+        and src.get("scale_block") == target.get("scale_block")
+    )
+
+
 def _store(name: str, value: torch.Tensor, target: Target) -> dict[str, torch.Tensor]:
     """``value`` (FP32 when it came from scaled storage) in the target's storage: re-quantised
-    with a fresh scale when the target is scaled, else cast."""
+    with a fresh scale (or block scales) when the target is scaled, else cast."""
     scale_name = target.layout.get("scale_inv")
     if scale_name:
-        data, scale = requantize(value, target.dtype, name)
+        data, scale = requantize(value, target.dtype, name, target.layout.get("scale_block"))
         return {name: data, scale_name: scale}
     return {name: value.to(target.dtype)}
 
@@ -350,6 +376,7 @@ def optimizer_targets(
             if layout["partition_dim"] is not None or param_shaped:
                 entry = {**base.layout, "per_shard": False}
                 entry.pop("scale_inv", None)
+                entry.pop("scale_block", None)  # optimizer states keep one scale
                 if f"{name}_scale_inv" in names:
                     entry["scale_inv"] = f"{name}_scale_inv"
                 out[name] = Target(entry, base.shape, dtype)
@@ -357,6 +384,7 @@ def optimizer_targets(
                 per_shard = split and name.endswith("_scale_inv")
                 entry = {**base.layout, "partition_dim": None, "blocks": 1, "per_shard": per_shard}
                 entry.pop("scale_inv", None)
+                entry.pop("scale_block", None)  # optimizer states keep one scale
                 out[name] = Target(entry, shape, dtype)
     return out
 

@@ -23,14 +23,23 @@ x itself, does not have.
 The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP16 master
 dequantized (O1, O2). At O1/O2 the weight gradient, an FP32 GEMM output, is added to
 the weight's FP8 gradient slot, which keeps one scale per tensor (a storage format, apart from
-the GEMM operands' scales). O3's FP8 weights keep per-tensor scales and refuse row/block.
+the GEMM operands' scales). O3 at ``block`` stores the FP8 weight in its 128x128 blocks
+(``Linear.lower_weight_precision``): it is read as it is, with no cast in the step; O3 at
+``row`` is refused there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blockwise import BlockFloat8Tensor, operand_block, per_element, quantize_blocks
+from .blockwise import (
+    WEIGHT_BLOCK,
+    BlockFloat8Tensor,
+    fit_block,
+    operand_block,
+    per_element,
+    quantize_blocks,
+)
 from .formats import E4M3, FORMATS, cast_health
 from .gemm import fp8_gemm
 from .scaling import ScalingRecipe
@@ -52,14 +61,21 @@ def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor)
 
 class BlockFp8LinearFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` with the three GEMMs on row- or block-scaled FP8 operands. x is 2-D
-    [M, K]; W [N, K] in FP32 or BF16, or FP16 with ``w_scale_inv``; b [N] or None;
+    [M, K]; W [N, K] in FP32 or BF16, FP16 with ``w_scale_inv`` (one value), or FP8 E4M3
+    with ``w_scale_inv`` the grid of its 128x128 blocks; b [N] or None;
     ``grad_slot``: the weight's FP8 gradient slot (O1/O2) or None."""
 
     @staticmethod
     def forward(
         ctx, x, weight, bias, scaling: ScalingRecipe, health, w_scale_inv, grad_slot, input_comm
     ):
-        w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
+        if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
+            w = None
+            block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
+            w8 = BlockFloat8Tensor(weight.detach(), w_scale_inv, E4M3, block)
+        else:
+            w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
+            w8 = _cast(w, scaling, E4M3, weight=True)
         x8 = _cast(x.detach(), scaling, E4M3, weight=False)
         if health is not None:  # this rank's rows, before any gather
             block_health(health, "input", x.detach(), x8)
@@ -67,11 +83,10 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             x8 = BlockFloat8Tensor(
                 input_comm.gather(x8.data), input_comm.gather_rows(x8.scale_inv), E4M3, x8.block
             )
-        w8 = _cast(w, scaling, E4M3, weight=True)
         y = fp8_gemm(x8, w8, out_dtype=torch.float32)
         if bias is not None:
             y = y + bias.float()
-        if health is not None:
+        if health is not None and w is not None:  # a stored FP8 weight is not cast here
             block_health(health, "weight", w, w8)
         x_full = x.detach() if input_comm is None else x8.dequantize()
         xt8 = _cast(x_full.t(), scaling, E4M3, weight=False)  # for dW, along M

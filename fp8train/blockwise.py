@@ -33,15 +33,19 @@ from .scaling import compute_scale
 
 __all__ = [
     "BLOCK",
+    "WEIGHT_BLOCK",
     "BlockFloat8Tensor",
     "block_gemm",
     "block_amax",
+    "fit_block",
     "operand_block",
     "per_element",
     "quantize_blocks",
+    "scaled_value",
 ]
 
 BLOCK = 128  # DeepSeek-V3's tile and Transformer Engine's block: 128 along each blocked dim
+WEIGHT_BLOCK = (BLOCK, BLOCK)  # a weight's blocks, and those of O3's stored FP8 weights
 
 
 def operand_block(granularity: str, weight: bool, k: int) -> tuple[int, int]:
@@ -52,6 +56,12 @@ def operand_block(granularity: str, weight: bool, k: int) -> tuple[int, int]:
     if granularity == "block":
         return (BLOCK, BLOCK) if weight else (1, BLOCK)
     raise ValueError(f"fp8 granularity {granularity!r}: row or block here ('tensor' is per tensor)")
+
+
+def fit_block(block: tuple[int, int], shape: tuple[int, ...]) -> tuple[int, int]:
+    """``block`` no larger than the 2-D ``shape``: a dimension shorter than its block is one
+    partial block, the same grid, and two operands' blocks along K then compare equal."""
+    return min(block[0], max(shape[0], 1)), min(block[1], max(shape[1], 1))
 
 
 def _grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
@@ -91,14 +101,23 @@ class BlockFloat8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         # fp8 -> fp32 is exact; the one rounding is the product with the block's scale_inv.
-        spread = per_element(self.scale_inv, self.block, tuple(self.data.shape))
-        return (self.data.float() * spread).to(dtype)
+        return scaled_value(self.data, self.scale_inv, self.block).to(dtype)
 
 
 def per_element(t: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
     """A per-block tensor ``[Rb, Cb]`` spread to one value per element of ``shape``."""
     (r, c), (br, bc) = shape, block
     return t.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :c]
+
+
+def scaled_value(
+    data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The FP32 value of ``data`` stored with one scale (``block`` None: ``scale_inv`` is a
+    single value) or one per ``block`` of a 2-D ``data`` (``scale_inv`` its grid)."""
+    if block is None:
+        return data.float() * scale_inv
+    return data.float() * per_element(scale_inv.float(), block, tuple(data.shape))
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -123,7 +142,7 @@ def quantize_blocks(
     nearest even. A block of zeros (or one with a non-finite amax) gets scale 1."""
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks: a 2-D tensor, not {tuple(x.shape)}")
-    block = (min(block[0], max(x.shape[0], 1)), min(block[1], max(x.shape[1], 1)))
+    block = fit_block(block, tuple(x.shape))
     scale = compute_scale(block_amax(x, block), fmt, margin, power_of_two, fallback=1.0)
     data = cast_to_fp8(x.detach(), fmt, per_element(scale, block, tuple(x.shape)))
     return BlockFloat8Tensor(data, scale.reciprocal(), fmt, block)

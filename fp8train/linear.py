@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .block_linear import BlockFp8LinearFunction
+from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
 from .gemm import fp8_gemm
 from .low_precision import Fp8GradSlot, ScaledTensor
@@ -268,22 +269,34 @@ class Linear(nn.Module):
 
         O1/O2: an FP16 tensor with a power-of-two per-tensor scale (``weight_scale_inv``); it
         is the master weight, there is no FP32 copy. O3: FP8 E4M3 with its scale (the FP16
-        master lives in the optimizer). Where the recipe's weight gradient is FP8, the weight
-        gets an ``Fp8GradSlot`` as ``weight.main_grad`` and autograd never sees a weight grad.
+        master lives in the optimizer): one per tensor, or at granularity ``block`` one
+        power-of-two scale per 128x128 block (``weight_scale_inv`` is their grid). Where the
+        recipe's weight gradient is FP8, the weight gets an ``Fp8GradSlot`` as
+        ``weight.main_grad`` and autograd never sees a weight grad.
         """
         recipe = self.recipe
         if recipe is None or recipe.weight not in ("fp16", "fp8") or self.lowered:
             return
         if not self.fp8:
             raise ValueError(f"level {recipe.level}: a {recipe.weight} weight needs FP8 GEMMs")
-        if self.scaling.granularity != "tensor" and recipe.weight == "fp8":
+        granularity = self.scaling.granularity
+        if granularity == "row" and recipe.weight == "fp8":
             raise NotImplementedError(
-                f"level {recipe.level} with fp8 granularity {self.scaling.granularity!r}: "
-                "FP8 weights keep one scale per tensor; row/block scaling is built for te, "
-                "O1 and O2 so far"
+                f"level {recipe.level} with fp8 granularity 'row' is not built: O3 stores its "
+                "FP8 weights per tensor or in 128x128 blocks (granularity 'block'), whose "
+                "transpose serves the input gradient; a row-scaled weight would need a second "
+                "stored copy"
             )
-        dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
-        stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
+        if granularity == "block" and recipe.weight == "fp8":
+            # One power-of-two scale per 128x128 block: the blocks the GEMMs read, so the
+            # stored weight is both GEMMs' operand and is never cast again in a step.
+            stored = quantize_blocks(
+                self.weight.detach().float(), E4M3, WEIGHT_BLOCK, power_of_two=True
+            )
+            self.weight_block = WEIGHT_BLOCK
+        else:
+            dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
+            stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
         self.weight = nn.Parameter(stored.data)
         self.register_buffer("weight_scale_inv", stored.scale_inv)
         if recipe.weight_grad == "fp8":
@@ -293,7 +306,7 @@ class Linear(nn.Module):
     def _link_weight_attributes(self) -> None:
         # The optimizer reads the scale through the parameter; keep it the module's buffer.
         if hasattr(self, "weight_scale_inv"):
-            set_scale_inv(self.weight, self.weight_scale_inv)
+            set_scale_inv(self.weight, self.weight_scale_inv, getattr(self, "weight_block", None))
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -344,11 +357,10 @@ class Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _blockwise_forward(self, x: torch.Tensor, input_comm) -> torch.Tensor:
-        granularity = self.scaling.granularity
-        if self.weight.dtype == E4M3.dtype:
-            raise NotImplementedError(
-                f"fp8 granularity {granularity!r} with FP8 weights (level "
-                f"{self.recipe.level}) is not built yet: they keep one scale per tensor"
+        if self.weight.dtype == E4M3.dtype and not hasattr(self, "weight_block"):
+            raise ValueError(
+                f"fp8 granularity {self.scaling.granularity!r}: this FP8 weight was stored with "
+                "one scale per tensor (lower_weight_precision ran at granularity 'tensor')"
             )
         lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
         y = BlockFp8LinearFunction.apply(

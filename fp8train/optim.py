@@ -15,9 +15,11 @@ Three kinds of parameters (set up by the model layer):
   (``param_state.scale_inv_of(p)``); it *is* the master weight. Gradient: an ``Fp8GradSlot``
   as its gradient slot (``param_state.fp8_grad_slot(p)``). Written back in place with a
   power-of-two scale (the scale is the module's buffer, so it is updated in place too).
-- FP8 weight (O3): ``p`` is FP8 E4M3 with its scale; the optimizer owns a tensor-scaled
-  FP16 master (state "master"), created from the FP8 weight on first use. The new FP8 weight is
-  re-cast from the stored master, so ``weight == E4M3(master)`` holds exactly after each step.
+- FP8 weight (O3): ``p`` is FP8 E4M3 with its scale (one, or one per 128x128 block at
+  ``fp8_granularity=block``: ``param_state.scale_block_of``); the optimizer owns a
+  tensor-scaled FP16 master (state "master"), created from the FP8 weight on first use. The new
+  FP8 weight is re-cast from the stored master, so ``weight == E4M3(master)`` holds exactly
+  after each step.
 
 Moment dtypes from the constructor apply to the scaled weights (kinds 2 and 3). A parameter
 without a gradient this step (no FP8 slot data, ``grad`` None) is skipped and its state
@@ -37,6 +39,7 @@ from itertools import chain
 import torch
 
 from . import device as devices
+from .blockwise import quantize_blocks
 from .formats import E4M3
 from .low_precision import FP16_MAX
 from .optim_states import (
@@ -50,7 +53,7 @@ from .optim_states import (
     quantize_into_,
     weight_value,
 )
-from .param_state import fp8_grad_slot, scale_inv_of
+from .param_state import fp8_grad_slot, scale_block_of, scale_inv_of
 
 __all__ = ["LowBitAdamW"]
 
@@ -257,6 +260,13 @@ class LowBitAdamW(torch.optim.Optimizer):
         quantize_into_(fp16_vals, fp16_datas, fp16_scales, FP16_MAX, pow2=True)
         # O3: the FP8 weight is the E4M3 rounding of the stored master (power-of-two scale, as
         # fp8train.Linear quantises its weight), so a checkpointed master reproduces it.
+        # Block-scaled weights take one power-of-two scale per block, by the same rule.
+        for p, state in [(p, s) for p, s in fp8_params if scale_block_of(p) is not None]:
+            master = dequantize([state["master"]], [state["master_scale_inv"]])[0]
+            stored = quantize_blocks(master, E4M3, scale_block_of(p), power_of_two=True)
+            p.copy_(stored.data)
+            scale_inv_of(p).copy_(stored.scale_inv)
+        fp8_params = [(p, s) for p, s in fp8_params if scale_block_of(p) is None]
         for dtype in {p.dtype for p, _ in fp8_params}:
             same = [(p, s) for p, s in fp8_params if p.dtype == dtype]
             quantize_into_(

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from .blockwise import scaled_value
 from .formats import E4M3
 from .low_precision import FP16_MAX, pow2_scale
-from .param_state import fp8_grad_slot, scale_inv_of
+from .param_state import fp8_grad_slot, scale_block_of, scale_inv_of
 from .scaling import compute_scale
 
 __all__ = [
@@ -88,8 +89,8 @@ def weight_value(p: torch.Tensor) -> torch.Tensor:
     """The value a scaled parameter represents, in FP32 (a new tensor)."""
     scale_inv = scale_inv_of(p)
     if scale_inv is None:
-        raise TypeError("weight_value: the parameter has no per-tensor scale (not a scaled weight)")
-    return p.detach().float() * scale_inv
+        raise TypeError("weight_value: the parameter has no scale (not a scaled weight)")
+    return scaled_value(p.detach(), scale_inv, scale_block_of(p))
 
 
 def init_state(
@@ -107,7 +108,8 @@ def init_state(
     if kind == "fp8":
         # The FP8 weight is the only record of the initial value. With a power-of-two weight
         # scale FP16 holds it exactly: 3 mantissa bits fit in 10, and E4M3's 2**18 span of
-        # magnitudes fits FP16's 2**40.
+        # magnitudes fits FP16's 2**40 (with block scales, as long as the blocks' scales span
+        # less than the remaining 2**22, i.e. no block sits 22 binades below the largest).
         state["master"] = torch.empty(p.shape, dtype=torch.float16, device=dev)
         state["master_scale_inv"] = torch.ones((), device=dev)
         quantize_into_(

@@ -8,8 +8,10 @@ gradient buffer, a clipping pass) finds them without a side table:
   buffer of ``parallel/grad_buffer.py``: BF16 gradients accumulate there in FP32), or an
   ``Fp8GradSlot`` (O1-O3 FP8 weight gradients, given by ``Linear.lower_weight_precision``).
   None when there is neither: the gradient is ``.grad``.
-- the per-tensor scale (attribute ``scale_inv``): the FP32 dequantisation scale of a weight
-  stored as tensor-scaled FP16 (O1/O2) or FP8 (O3), whose value is ``p.float() * scale_inv``.
+- the scale (attribute ``scale_inv``): the FP32 dequantisation scale of a weight stored as
+  tensor-scaled FP16 (O1/O2) or FP8 (O3), whose value is ``p.float() * scale_inv``; or, for an
+  FP8 weight with block scales (O3 at ``fp8_granularity=block``), one scale per block of
+  ``scale_block`` (attribute ``scale_block``), the grid ``[ceil(R/br), ceil(C/bc)]``.
   ``fp8train.Linear`` points it at its ``weight_scale_inv`` buffer, so updating one in place
   updates the other. None for a weight stored at its own precision.
 
@@ -27,6 +29,7 @@ __all__ = [
     "GradSlot",
     "fp8_grad_slot",
     "grad_slot",
+    "scale_block_of",
     "scale_inv_of",
     "set_grad_slot",
     "set_scale_inv",
@@ -36,6 +39,7 @@ GradSlot = torch.Tensor | Fp8GradSlot
 
 _GRAD_SLOT = "main_grad"
 _SCALE_INV = "scale_inv"
+_SCALE_BLOCK = "scale_block"
 
 
 def grad_slot(p: torch.Tensor) -> GradSlot | None:
@@ -67,17 +71,37 @@ def set_grad_slot(p: torch.Tensor, slot: GradSlot | None) -> None:
 
 
 def scale_inv_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The per-tensor FP32 scale of a tensor-scaled FP16/FP8 parameter; None for others."""
+    """The FP32 scale of a scaled FP16/FP8 parameter (one value, or its block grid); None for
+    others."""
     return getattr(p, _SCALE_INV, None)
 
 
-def set_scale_inv(p: torch.Tensor, scale_inv: torch.Tensor | None) -> None:
-    """Attach the per-tensor scale (one element, kept by reference: in-place updates of either
-    are seen by both); None removes it."""
+def scale_block_of(p: torch.Tensor) -> tuple[int, int] | None:
+    """The block of a block-scaled parameter's ``scale_inv`` grid; None for one scale."""
+    return getattr(p, _SCALE_BLOCK, None)
+
+
+def set_scale_inv(
+    p: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int] | None = None
+) -> None:
+    """Attach the scale, kept by reference (in-place updates of either are seen by both): one
+    element, or with ``block`` one per block of the 2-D ``p``. None removes it."""
+    for attr in (_SCALE_INV, _SCALE_BLOCK):
+        if hasattr(p, attr):
+            delattr(p, attr)
     if scale_inv is None:
-        if hasattr(p, _SCALE_INV):
-            delattr(p, _SCALE_INV)
         return
-    if not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1:
-        raise TypeError("scale_inv: a one-element tensor (the per-tensor scale)")
+    if not isinstance(scale_inv, torch.Tensor):
+        raise TypeError("scale_inv: a tensor (the parameter's scale)")
+    if block is None:
+        if scale_inv.numel() != 1:
+            raise TypeError("scale_inv: a one-element tensor (the per-tensor scale), or a block")
+    else:
+        grid = tuple(-(-n // b) for n, b in zip(p.shape, block))
+        if p.dim() != 2 or tuple(scale_inv.shape) != grid:
+            raise ValueError(
+                f"scale_inv of shape {tuple(scale_inv.shape)} for a parameter of shape "
+                f"{tuple(p.shape)} in blocks {tuple(block)}: want {grid}"
+            )
+        setattr(p, _SCALE_BLOCK, tuple(block))
     setattr(p, _SCALE_INV, scale_inv)

@@ -299,12 +299,13 @@ class ParallelModel(nn.Module, ABC):
         full single-process one, as JSON-ready dicts (checkpoint/format.py reads
         them): ``partition_dim``/``blocks`` (null: whole), ``tp_rank``/``tp_size``,
         ``per_shard`` (state each shard keeps for itself, e.g. FP8 scaling),
-        ``scale_inv`` (name of the per-tensor scale of a scaled FP16/FP8 weight),
+        ``scale_inv`` (name of the scale of a scaled FP16/FP8 weight), ``scale_block`` (the
+        block of a block-scaled FP8 weight's scale grid; absent: one scale),
         ``pipeline_copy`` (another stage stores the counted copy)."""
         layouts = self._shard_layouts()
         copies = {n for n, counted in self.pipeline_copies().items() if not counted}
         copies = copies if self.pipeline.is_split else set()
-        scaled = set(self._scaled_weights())
+        scaled = self._scaled_weights()
         tp = self.ctx.tp
         rank = group_rank(self.tp_group) if self.tp_group is not None else 0
         out = {}
@@ -321,15 +322,20 @@ class ParallelModel(nn.Module, ABC):
             }
             if name.endswith(".weight") and f"{owner}.weight_scale_inv" in scaled:
                 entry["scale_inv"] = f"{owner}.weight_scale_inv"
+                block = scaled[f"{owner}.weight_scale_inv"]
+                if block is not None:
+                    entry["scale_block"] = list(block)
             out[name] = entry
         return out
 
-    def _scaled_weights(self) -> list[str]:
-        return [
-            self.canonical_name(f"{n}.weight_scale_inv")
+    def _scaled_weights(self) -> dict[str, tuple[int, int] | None]:
+        """Canonical name of each scaled weight's ``weight_scale_inv`` -> its block (None:
+        one scale per tensor)."""
+        return {
+            self.canonical_name(f"{n}.weight_scale_inv"): getattr(m, "weight_block", None)
             for n, m in self.named_modules()
             if isinstance(m, Linear) and hasattr(m, "weight_scale_inv")
-        ]
+        }
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """``state_dict()`` under single-process names (this rank's slices)."""

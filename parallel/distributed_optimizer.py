@@ -57,6 +57,12 @@ def ownership_balance(numels: list[int], owners: list[int], world: int) -> float
     return max(load) * world / total if total else 1.0
 
 
+def _scale_count(p: torch.Tensor) -> int:
+    """FP32 scale values that travel with ``p``: 0, 1 (per tensor) or its block grid's."""
+    scale = scale_inv_of(p)
+    return 0 if scale is None else scale.numel()
+
+
 def _short(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     return "fp8" if name.startswith("float8") else {"float16": "fp16"}.get(name, name)
@@ -68,10 +74,11 @@ class ParamGather:
     def __init__(self, params: list[torch.nn.Parameter], owners: list[int], group, meter=None):
         self.params, self.owners, self.group, self.meter = params, owners, group, meter
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # Bytes each rank contributes: its parameters' scale_inv values, then their storage.
+        # Bytes each rank contributes: its parameters' scale_inv values (one per tensor, or a
+        # block grid), then their storage.
         self.sizes = [0] * self.world
         for p, r in zip(params, owners):
-            self.sizes[r] += p.nbytes + (4 if scale_inv_of(p) is not None else 0)
+            self.sizes[r] += p.nbytes + 4 * _scale_count(p)
         self.of_rank = [[p for p, o in zip(params, owners) if o == r] for r in range(self.world)]
         self.mine = self.of_rank[self.rank]
 
@@ -97,16 +104,19 @@ class ParamGather:
         """``params``' scale_inv values, then their bytes, into ``out`` (their exact size).
         The scales go first: at the start of the buffer they are aligned for FP32."""
         scales = [scale_inv_of(p) for p in params]
-        parts = [s.detach().float().reshape(1).view(torch.uint8) for s in scales if s is not None]
+        parts = [s.detach().float().reshape(-1).view(torch.uint8) for s in scales if s is not None]
         parts += [p.detach().reshape(-1).view(torch.uint8) for p in params]
         torch.cat(parts, out=out)
 
     @staticmethod
     def _unpack(params, piece: torch.Tensor) -> None:
-        scaled = [p for p in params if scale_inv_of(p) is not None]
-        offset = 4 * len(scaled)
-        for p, value in zip(scaled, piece[:offset].view(torch.float32)):
-            scale_inv_of(p).copy_(value)
+        offset = 0
+        for p in params:
+            n = 4 * _scale_count(p)
+            if n:
+                scale = scale_inv_of(p)
+                scale.copy_(piece[offset : offset + n].view(torch.float32).view(scale.shape))
+                offset += n
         for p in params:
             n = p.nbytes
             p.detach().reshape(-1).view(torch.uint8).copy_(piece[offset : offset + n])
@@ -125,7 +135,7 @@ class ParamGather:
                 counts = by_dtype.setdefault(p.dtype, [0, 0, 0])  # bytes, elements, scales
                 counts[0] += p.nbytes
                 counts[1] += p.numel()
-                counts[2] += scale_inv_of(p) is not None
+                counts[2] += _scale_count(p)
             for dtype, (nbytes, numel, scales) in by_dtype.items():
                 name = "all_gather_params_" + _short(dtype)
                 self.meter.record(

@@ -36,6 +36,10 @@ LAYOUTS = {  # name: (level, ranks, overrides), each against the one-process run
     # O2: FP16 masters read through block casts; FP8 gradient slots and their FP8
     # reduce-scatter keep per-tensor scales.
     "O2_dp2_dist_opt": ("O2", 2, {"optimizer.distributed": "true"}),
+    # O3: FP8 weights stored in 128x128 blocks, each shard its own blocks' scales (TP), and
+    # the owners' updated weights all-gathered with their scale grids (distributed optimizer).
+    "O3_tp2": ("O3", 2, {"parallel.tensor": 2}),
+    "O3_dp2_dist_opt": ("O3", 2, {"optimizer.distributed": "true"}),
 }
 
 
@@ -62,6 +66,19 @@ def block_runs(tiny_data, tmp_path_factory):
         1, [(TINY, tiny_overrides(tiny_data, root / "recompute", "te", **BLOCK, **recompute))]
     )
     pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O2", "O2", **BLOCK))])
+    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O3", "O3", **BLOCK))])
+    kept_o3 = root / "iter_0000003_O3"
+    shutil.copytree(root / "ref_O3" / "checkpoints" / "iter_0000003", kept_o3)
+    o3_load = {"checkpoint.load": kept_o3}
+    pretrain_ranks(
+        1, [(TINY, tiny_overrides(tiny_data, root / "resumed_O3", "O3", **BLOCK, **o3_load))]
+    )
+    # The one-process O3 checkpoint resumed on TP=2: each shard takes its rows or columns of
+    # the stored FP8 bytes and of the block-scale grid (resharding's exact path).
+    to_tp2 = {**o3_load, "parallel.tensor": 2}
+    pretrain_ranks(
+        2, [(TINY, tiny_overrides(tiny_data, root / "O3_tp1_to_tp2", "O3", **BLOCK, **to_tp2))]
+    )
     for name, (level, world, extra) in LAYOUTS.items():
         overrides = tiny_overrides(tiny_data, root / name, level, **BLOCK, **extra)
         pretrain_ranks(world, [(TINY, overrides)], timeout=400)
@@ -70,6 +87,11 @@ def block_runs(tiny_data, tmp_path_factory):
     resharded = {"checkpoint.load": tp2_saved}
     pretrain_ranks(
         1, [(TINY, tiny_overrides(tiny_data, root / "tp2_to_tp1", "te", **BLOCK, **resharded))]
+    )
+    # O3's TP=2 checkpoint joined onto one process: its FP8 blocks re-quantised block by block.
+    o3_tp2 = {"checkpoint.load": root / "O3_tp2" / "checkpoints" / "iter_0000003"}
+    pretrain_ranks(
+        1, [(TINY, tiny_overrides(tiny_data, root / "O3_tp2_to_tp1", "O3", **BLOCK, **o3_tp2))]
     )
     return root
 
@@ -103,3 +125,51 @@ def test_resume_is_bitwise(block_runs):
     assert resumed == reference[3:]
     meta = json.loads((block_runs / "ref/checkpoints/iter_0000006/metadata.json").read_text())
     assert meta["config"]["precision"]["fp8_granularity"] == "block"
+
+
+def test_o3_block_resume_is_bitwise(block_runs):
+    # The FP8 weights, their block-scale grids and the FP16 masters all come back from the
+    # checkpoint as stored: the same operations follow, so the same bits.
+    reference = _losses(block_runs / "ref_O3")
+    assert _losses(block_runs / "resumed_O3") == reference[3:]
+    layouts = _weight_layouts(block_runs / "ref_O3/checkpoints/iter_0000003")
+    qkv = layouts["layers.0.attention.qkv.weight"]
+    assert qkv["scale_block"] == [128, 128] and qkv["dtype"] == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    ("run", "source"), [("O3_tp1_to_tp2", "ref_O3"), ("O3_tp2_to_tp1", "O3_tp2")]
+)
+def test_o3_block_checkpoint_reshards(block_runs, run, source):
+    # TP=1 -> TP=2 cuts the bytes and the scale grid along the blocks; TP=2 -> TP=1 joins and
+    # re-quantises per block. Either run continues its source within the layout bar.
+    resumed = _losses(block_runs / run)
+    assert len(resumed) == 3
+    assert resumed == pytest.approx(_losses(block_runs / source)[3:], rel=2e-3)
+
+
+def test_o3_block_weights_reshard_exactly(block_runs, tmp_path):
+    # Values, not losses: the one-process O3 checkpoint converted to TP=2 and read back as full
+    # tensors gives every weight bit for bit (slices of bytes and scale grids, no rounding).
+    import torch
+    from test_convert_checkpoint import _convert
+
+    from checkpoint.format import reassemble
+
+    source = block_runs / "iter_0000003_O3"
+    _convert("--input", str(source), "--output", str(tmp_path / "tp2"), "--format", "native",
+             "--tensor", "2")  # fmt: skip
+    (converted,) = (tmp_path / "tp2").glob("iter_*")
+    assert _weight_layouts(converted, rank=1)["layers.0.mlp.fc2.weight"]["tp_size"] == 2
+    before, after = reassemble(source), reassemble(converted)
+    weights = [n for n in before if n.endswith("weight") and "layers." in n]
+    assert weights
+    for name in weights:
+        assert torch.equal(before[name], after[name]), name
+
+
+def _weight_layouts(checkpoint, rank: int = 0) -> dict:
+    from checkpoint.format import read_layouts
+
+    files = sorted(checkpoint.glob("model*.safetensors"))
+    return read_layouts(files[rank])

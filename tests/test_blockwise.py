@@ -209,9 +209,9 @@ def test_recipe_and_levels_refuse_what_is_not_built():
         ScalingRecipe(granularity="block")
     with pytest.raises(ValueError, match="granularity"):
         ScalingRecipe(mode="current", granularity="tile")
-    block = ScalingRecipe(mode="current", granularity="block")
-    layer = Linear(128, 128, recipe=get_recipe("O3"), scaling=block)
-    with pytest.raises(NotImplementedError, match="FP8 weights keep one scale per tensor"):
+    row = ScalingRecipe(mode="current", granularity="row")
+    layer = Linear(128, 128, recipe=get_recipe("O3"), scaling=row)
+    with pytest.raises(NotImplementedError, match="granularity 'row' is not built"):
         layer.lower_weight_precision()
 
 
@@ -231,7 +231,8 @@ def test_health_is_measured_per_block():
 
 
 def test_initialize_takes_the_granularity():
-    # fp8train alone, in a plain PyTorch script: te with block scales trains; O2 refuses.
+    # fp8train alone, in a plain PyTorch script: te with block scales trains; O3 stores its
+    # FP8 weights in blocks.
     import fp8train
 
     block = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
@@ -250,8 +251,10 @@ def test_initialize_takes_the_granularity():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     other = torch.nn.Sequential(torch.nn.Linear(256, 256))
-    with pytest.raises(NotImplementedError, match="one scale per tensor"):
-        fp8train.initialize(other, torch.optim.AdamW(other.parameters()), "O3", scaling=block)
+    other, _ = fp8train.initialize(
+        other, torch.optim.AdamW(other.parameters()), "O3", scaling=block
+    )
+    assert other[0].weight_scale_inv.shape == (2, 2)  # O3: FP8 weights in 128x128 blocks
 
 
 def test_o2_block_gradient_lands_in_the_fp8_slot():
@@ -275,3 +278,46 @@ def test_o2_block_gradient_lands_in_the_fp8_slot():
     slot = grad_slot(layer.weight)
     dw = slot.data.float() * slot.scale_inv
     assert sqnr_db(w64.grad, dw) >= 18 and sqnr_db(x64.grad, x_in.grad) >= 18
+
+
+def test_o3_block_weight_is_stored_in_blocks_and_stepped_through_its_master():
+    # O3 at block: the FP8 weight is the E4M3 rounding of its value with one power-of-two
+    # scale per 128x128 block (partial last blocks: 300 = 2 x 128 + 44, 200 = 128 + 72), the
+    # forward reads those bytes as they are, and after each optimizer step the weight is the
+    # block rounding of the FP16 master (bitwise: the same quantize_blocks on the same value).
+    from fp8train.optim import LowBitAdamW
+    from fp8train.param_state import scale_block_of, scale_inv_of
+
+    block = ScalingRecipe(mode="current", granularity="block")
+    torch.manual_seed(0)
+    layer = Linear(300, 200, recipe=get_recipe("O3"), scaling=block)
+    full = layer.weight.detach().clone()
+    layer.lower_weight_precision()
+    expected = quantize_blocks(full, E4M3, (128, 128), power_of_two=True)
+    assert layer.weight.dtype == E4M3.dtype and layer.weight_scale_inv.shape == (2, 3)
+    assert torch.equal(layer.weight.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv, expected.scale_inv)
+    exponents = torch.frexp(layer.weight_scale_inv).mantissa
+    assert torch.all(exponents == 0.5)  # powers of two
+    assert scale_block_of(layer.weight) == (128, 128)
+    assert scale_inv_of(layer.weight) is layer.weight_scale_inv
+
+    x = torch.randn(16, 300, generator=torch.Generator().manual_seed(11))
+    x8 = quantize_blocks(x, E4M3, (1, 128))
+    w8 = BlockFloat8Tensor(layer.weight.detach(), layer.weight_scale_inv, E4M3, (128, 128))
+    assert torch.equal(layer(x).detach(), block_gemm(x8, w8) + layer.bias.detach())
+
+    opt = LowBitAdamW(
+        [layer.weight, layer.bias], lr=1e-2,
+        exp_avg_dtype=E4M3.dtype, exp_avg_sq_dtype=torch.float16,
+    )  # fmt: skip
+    for _ in range(2):
+        layer(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state[layer.weight]
+    master = state["master"].float() * state["master_scale_inv"]
+    again = quantize_blocks(master, E4M3, (128, 128), power_of_two=True)
+    assert not torch.equal(layer.weight.float(), expected.data.float())  # it moved
+    assert torch.equal(layer.weight.view(torch.uint8), again.data.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv, again.scale_inv)

@@ -120,8 +120,9 @@ def test_low_bit_levels_bytes_per_linear_param(tiny_data, tmp_path, level, linea
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     roles = rec["bytes-per-param-by-role"]
     # Measured from the live tensors: weight + FP8 grad + master + Adam moments, plus 4-byte
-    # per-tensor scales (a few parts per million here).
-    assert roles["linear/total"] == pytest.approx(linear_bytes, abs=1e-3)
+    # per-tensor scales (O3: weight, master and both moments, 16 bytes per weight tensor over
+    # its 4096-16384 elements: 0.0013 bytes per parameter here).
+    assert roles["linear/total"] == pytest.approx(linear_bytes, abs=2e-3)
     assert roles["other/total"] == pytest.approx(16.0, abs=1e-3)  # FP32 embeddings/norms/biases
 
 

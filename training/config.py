@@ -267,8 +267,8 @@ _RULES = [
     " the decay length (`optimizer.lr_decay_iters`, else `training.train_iters`); a null one"
     " is `optimizer.lr_warmup_fraction` of it, rounded down.",
     "- `precision.max_loss_scale` ≥ `precision.initial_loss_scale` ≥ `precision.min_loss_scale`.",
-    "- `precision.fp8_granularity` row or block needs `precision.fp8_recipe: current` and, so"
-    " far, `precision.level` te, O1 or O2; block with"
+    "- `precision.fp8_granularity` row or block needs `precision.fp8_recipe: current`; row"
+    " is not built for `precision.level: O3`; block with"
     " `parallel.tensor` > 1 needs the MLP, attention and key/value widths divided by it to be"
     " multiples of 128.",
     "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model`.",

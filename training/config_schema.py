@@ -165,7 +165,8 @@ class PrecisionConfig(_Section):
         "FP8 scales per tensor; per row of each GEMM operand along its reduction dimension "
         "(row, torchao's row-wise); or per 1x128 tile of activations and gradients and "
         "128x128 block of weights (block, DeepSeek-V3). row and block need "
-        "precision.fp8_recipe=current and, so far, precision.level te, O1 or O2.",
+        "precision.fp8_recipe=current; row is not built for precision.level O3, whose FP8 "
+        "weights are stored in the same 128x128 blocks at block.",
     )
     fp8_grad_format: Literal["e5m2", "e4m3"] = _f(
         "e5m2",
@@ -206,10 +207,11 @@ class PrecisionConfig(_Section):
                 f"{key} scales from each row's or block's current amax: set "
                 "precision.fp8_recipe=current (delayed scaling keeps one history per tensor)"
             )
-        if self.level == "O3":
+        if self.level == "O3" and self.fp8_granularity == "row":
             raise self._err(
-                f"{key} is built for precision.level te, O1 and O2 so far (O3's FP8 weights, "
-                "sharded by the distributed optimizer, keep one scale per tensor)"
+                f"{key} is not built for precision.level O3: its FP8 weights are stored per "
+                "tensor or in 128x128 blocks (fp8_granularity=block), whose transpose serves "
+                "the input gradient"
             )
 
     def recipe(self):

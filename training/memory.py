@@ -1,9 +1,10 @@
 """Model-state bytes per parameter, measured from the live tensors, by role and category.
 
 Counted per rank: weights, gradients (``.grad``, the FP32 ``main_grad`` at bf16 or the FP8
-gradient slot at O1-O3), master weights and optimizer states. The linear (GEMM) weights are
-reported apart from the rest (embeddings, norms, biases) because the precision table governs
-only them; ``all`` is the whole model.
+gradient slot at O1-O3), master weights and optimizer states. A scaled weight's scales (one
+per tensor, or one per 128x128 block for O3 at block granularity) count with the weight. The
+linear (GEMM) weights are reported apart from the rest (embeddings, norms, biases) because the
+precision table governs only them; ``all`` is the whole model.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fp8train.linear import Linear
-from fp8train.param_state import grad_slot
+from fp8train.param_state import grad_slot, scale_inv_of
 
 __all__ = ["ROLES", "model_state_bytes"]
 
@@ -33,7 +34,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, dict[str, 
             grad = p.grad
         master, states = optimizer.param_state_bytes(index)
         row = {
-            "weights": p.nbytes,
+            "weights": p.nbytes + (0 if scale_inv_of(p) is None else scale_inv_of(p).nbytes),
             "grads": 0 if grad is None else grad.nbytes,
             "master": master,
             "optimizer": states,
