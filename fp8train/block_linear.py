@@ -35,6 +35,7 @@ import torch
 from .blockwise import (
     WEIGHT_BLOCK,
     BlockFloat8Tensor,
+    block_amax,
     fit_block,
     operand_block,
     per_element,
@@ -53,10 +54,23 @@ def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFl
 
 
 def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
-    """``formats.cast_health`` of one row- or block-scaled cast, each value against its own
-    block's scale."""
-    scale = per_element(q.scale_inv.reciprocal(), q.block, tuple(x.shape))
-    health[f"{role}_underflow"], health[f"{role}_saturated"] = cast_health(x, q.data, q.fmt, scale)
+    """The health of one row- or block-scaled cast: ``formats.cast_health`` (underflow,
+    saturation) with each value against its own block's scale, and in place of a per-tensor
+    state's amax and scale: ``<role>_amax`` (of the tensor), ``<role>_scale`` (the smallest
+    block scale, that of the block holding the amax: what one per-tensor scale would be) and
+    ``<role>_scale_spread`` (binades between the smallest and largest scale of the non-zero
+    blocks: how far the finest blocks sit above what one scale would give them)."""
+    scales = q.scale_inv.reciprocal()
+    spread = per_element(scales, q.block, tuple(x.shape))
+    health[f"{role}_underflow"], health[f"{role}_saturated"] = cast_health(x, q.data, q.fmt, spread)
+    amax = block_amax(x, q.block)
+    live = amax > 0  # an all-zero block takes scale 1, which says nothing
+    smallest = torch.where(live, scales, torch.inf).amin()
+    largest = torch.where(live, scales, 0.0).amax()
+    any_live = live.any()
+    health[f"{role}_amax"] = amax.amax()
+    health[f"{role}_scale"] = torch.where(any_live, smallest, 1.0)
+    health[f"{role}_scale_spread"] = torch.where(any_live, (largest / smallest).log2(), 0.0)
 
 
 class BlockFp8LinearFunction(torch.autograd.Function):

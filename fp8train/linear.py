@@ -379,6 +379,8 @@ class Linear(nn.Module):
     def fp8_stats(self) -> dict[str, float]:
         """Latest amax and scale of each role, e.g. {"input_amax": ..., "input_scale": ...},
         plus ``<role>_underflow`` / ``<role>_saturated`` after a pass with ``track_health``.
+        At row/block granularity the amax and scale come from the last tracked pass, with
+        ``<role>_scale_spread`` (``block_linear.block_health``).
 
         For logging only: one device-to-host copy for all the numbers.
         """
@@ -386,7 +388,9 @@ class Linear(nn.Module):
         if not states:
             return {}
         if self.scaling.granularity != "tensor":
-            states = {}  # row/block scales are per step and per block: no state to report
+            # Row/block scales are per step and per block: no state to report. The tracked
+            # pass records each role's amax, smallest scale and spread instead (block_health).
+            states = {}
         tensors = [t for s in states.values() for t in (s.amax_history[0], s.scale)]
         keys = [f"{role}_{what}" for role in states for what in ("amax", "scale")]
         keys += list(self.health)  # underflow/saturation fractions of the last tracked pass

@@ -173,3 +173,17 @@ def _weight_layouts(checkpoint, rank: int = 0) -> dict:
 
     files = sorted(checkpoint.glob("model*.safetensors"))
     return read_layouts(files[rank])
+
+
+def test_block_health_reaches_tensorboard(block_runs):
+    # At block granularity there is no per-tensor state: the tracked pass's amax, smallest
+    # block scale and scale spread are logged in its place, next to underflow and saturation.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(block_runs / "ref" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for what in ("amax", "scale", "scale_spread", "underflow", "saturated"):
+        assert f"fp8/layers.0.mlp.fc1/grad_output_{what}" in tags, what
+    spreads = [e.value for e in acc.Scalars("fp8/layers.0.mlp.fc1/input_scale_spread")]
+    assert spreads and all(s >= 0 for s in spreads)

@@ -223,11 +223,18 @@ def test_health_is_measured_per_block():
     layer.track_health = True
     layer(x).sum().backward()
     stats = layer.fp8_stats()
-    assert set(stats) == {
-        f"{r}_{w}" for r in ("input", "weight", "grad_output") for w in ("underflow", "saturated")
-    }
+    kinds = ("underflow", "saturated", "amax", "scale", "scale_spread")
+    assert set(stats) == {f"{r}_{w}" for r in ("input", "weight", "grad_output") for w in kinds}
     assert stats["input_underflow"] == pytest.approx(64 / x.numel())
     assert stats["input_saturated"] == 0.0
+    # The tensor's amax, the scale of the block holding it (448 / amax), and the binades
+    # between the smallest and largest scale of the 1x128 tiles (the 1e-12 column is in the
+    # first tile of each row, whose amax the other 127 values set, so it does not count).
+    assert stats["input_amax"] == x.abs().max().item()
+    assert stats["input_scale"] == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
+    tiles = x.abs().reshape(64, 2, 128).amax(-1)
+    spread = torch.log2(tiles.max() / tiles.min()).item()
+    assert stats["input_scale_spread"] == pytest.approx(spread, rel=1e-5)
 
 
 def test_initialize_takes_the_granularity():
