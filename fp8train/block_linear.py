@@ -21,11 +21,11 @@ transpose, re-quantize): a second rounding that the single-process run, which ca
 x itself, does not have.
 
 The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP16 master
-dequantized (O1, O2). At O1/O2 the weight gradient, an FP32 GEMM output, is added to
-the weight's FP8 gradient slot, which keeps one scale per tensor (a storage format, apart from
-the GEMM operands' scales). O3 at ``block`` stores the FP8 weight in its 128x128 blocks
-(``Linear.lower_weight_precision``): it is read as it is, with no cast in the step; O3 at
-``row`` is refused there.
+dequantized (O1, O2). At O1-O3 the weight gradient, an FP32 GEMM output, is added to
+the weight's FP8 gradient slot, scaled like the operands: one scale per row (``row``) or per
+128x128 block (``block``), each from its own amax at every accumulation. O3 at ``block``
+stores the FP8 weight in its 128x128 blocks (``Linear.lower_weight_precision``): it is read as
+it is, with no cast in the step; O3 at ``row`` is refused there.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ __all__ = [
     "BlockFloat8Tensor",
     "block_gemm",
     "block_amax",
+    "block_grid",
     "fit_block",
     "operand_block",
     "per_element",
@@ -64,7 +65,8 @@ def fit_block(block: tuple[int, int], shape: tuple[int, ...]) -> tuple[int, int]
     return min(block[0], max(shape[0], 1)), min(block[1], max(shape[1], 1))
 
 
-def _grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+def block_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """Blocks along each dimension of a 2-D ``shape``: ``[ceil(R/br), ceil(C/bc)]``."""
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
 
 
@@ -81,7 +83,7 @@ class BlockFloat8Tensor:
     def __post_init__(self):
         if self.data.dtype != self.fmt.dtype or self.data.dim() != 2:
             raise TypeError(f"BlockFloat8Tensor {self.fmt}: data is {self.data.dtype}")
-        grid = _grid(tuple(self.data.shape), self.block)
+        grid = block_grid(tuple(self.data.shape), self.block)
         if self.scale_inv.dtype != torch.float32 or tuple(self.scale_inv.shape) != grid:
             raise TypeError(
                 f"BlockFloat8Tensor: scale_inv {tuple(self.scale_inv.shape)} "
@@ -125,7 +127,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     last blocks are padded with zeros, which never raise an amax (NaN still propagates)."""
     r, c = x.shape
     br, bc = block
-    rb, cb = _grid((r, c), block)
+    rb, cb = block_grid((r, c), block)
     padded = F.pad(x.detach().float(), (0, cb * bc - c, 0, rb * br - r))
     return padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3))
 

@@ -300,7 +300,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(stored.data)
         self.register_buffer("weight_scale_inv", stored.scale_inv)
         if recipe.weight_grad == "fp8":
-            set_grad_slot(self.weight, Fp8GradSlot(self.weight.shape, self.weight.device))
+            # The weight gradient's FP8 storage is scaled like the GEMM operands: per tensor,
+            # per row (along K, like the weight) or per 128x128 block.
+            block = {"tensor": None, "row": (1, self.in_features), "block": WEIGHT_BLOCK}
+            slot = Fp8GradSlot(self.weight.shape, self.weight.device, block[granularity])
+            set_grad_slot(self.weight, slot)
         self._link_weight_attributes()
 
     def _link_weight_attributes(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blockwise import block_amax, block_grid, per_element, scaled_value
 from .formats import E4M3, FP8Format, cast_to_fp8
 from .scaling import compute_scale
 
@@ -88,9 +89,14 @@ class ScaledTensor:
 class Fp8GradSlot:
     """An FP8 E4M3 weight gradient with a per-tensor scale, accumulated across micro-batches.
 
-    ``amax`` is the largest magnitude the slot represents; it is inf/NaN when an accumulated
-    gradient overflowed, which is how the step's inf check sees an FP8 gradient (the cast itself
-    saturates, so the bytes alone would hide the overflow).
+    ``block`` (rows, columns): one scale per block of the 2-D gradient instead (row/block FP8
+    granularity: ``(1, K)`` per row, ``(128, 128)`` per block); ``scale_inv`` and ``amax`` are
+    then the block grid ``[ceil(R/br), ceil(C/bc)]`` (``units`` values), each block cast with
+    its own scale from its own amax by the accumulation rule above.
+
+    ``amax`` is the largest magnitude the slot represents (per block); it is inf/NaN when an
+    accumulated gradient overflowed, which is how the step's inf check sees an FP8 gradient
+    (the cast itself saturates, so the bytes alone would hide the overflow).
 
     Every update writes in place, so ``data``, ``scale_inv`` and ``amax`` may be views into
     contiguous buffers owned by someone else (``bind``: the data-parallel gradient buckets of
@@ -101,16 +107,18 @@ class Fp8GradSlot:
 
     fmt: FP8Format = E4M3
 
-    def __init__(self, shape, device=None):
+    def __init__(self, shape, device=None, block: tuple[int, int] | None = None):
         self.data = torch.zeros(shape, dtype=self.fmt.dtype, device=device)
-        self.scale_inv = torch.ones((), device=device)
-        self.amax = torch.zeros((), device=device)
+        self.block = None if block is None else tuple(block)
+        grid = () if block is None else block_grid(tuple(shape), self.block)
+        self.scale_inv = torch.ones(grid, device=device)
+        self.amax = torch.zeros(grid, device=device)
         self.has_data = False  # host flag, set by code paths alone: never read from the device
         self.on_accumulate = None
 
     def bind(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
-        """Move the storage into the given views (same shape/dtype; 0-d scale and amax),
-        keeping the current contents."""
+        """Move the storage into the given views (same shape/dtype; scale and amax of the
+        slot's own shape: 0-d, or its block grid), keeping the current contents."""
         if data.shape != self.data.shape or data.dtype != self.data.dtype:
             raise ValueError(
                 f"bind: data view {tuple(data.shape)} {data.dtype} does not match the slot's "
@@ -123,10 +131,11 @@ class Fp8GradSlot:
 
     def accumulate(self, grad: torch.Tensor) -> None:
         total = grad.float() if not self.has_data else self.dequantize() + grad.float()
-        amax = total.abs().amax()
+        amax = total.abs().amax() if self.block is None else block_amax(total, self.block)
         # Non-finite amax: keep it (the inf check reads it) but cast with a finite scale.
         scale = compute_scale(amax, self.fmt, fallback=1.0 / self.scale_inv)
-        self.data.copy_(cast_to_fp8(total, self.fmt, scale))
+        spread = scale if self.block is None else per_element(scale, self.block, total.shape)
+        self.data.copy_(cast_to_fp8(total, self.fmt, spread))
         self.scale_inv.copy_(1.0 / scale)
         self.amax.copy_(amax)
         self.has_data = True
@@ -141,7 +150,7 @@ class Fp8GradSlot:
         self.has_data = True
 
     def dequantize(self) -> torch.Tensor:
-        return self.data.float() * self.scale_inv
+        return scaled_value(self.data, self.scale_inv, self.block)
 
     def mul_(self, factor: torch.Tensor | float) -> None:
         """Multiply the represented gradient by ``factor``: only the scale changes (exact)."""
@@ -157,6 +166,11 @@ class Fp8GradSlot:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def units(self) -> int:
+        """How many scales the slot keeps: 1, or its blocks."""
+        return self.scale_inv.numel()
 
     @property
     def shape(self) -> torch.Size:

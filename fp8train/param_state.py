@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .blockwise import block_grid
 from .low_precision import Fp8GradSlot
 
 __all__ = [
@@ -97,8 +98,8 @@ def set_scale_inv(
         if scale_inv.numel() != 1:
             raise TypeError("scale_inv: a one-element tensor (the per-tensor scale), or a block")
     else:
-        grid = tuple(-(-n // b) for n, b in zip(p.shape, block))
-        if p.dim() != 2 or tuple(scale_inv.shape) != grid:
+        grid = block_grid(tuple(p.shape), block) if p.dim() == 2 else None
+        if grid is None or tuple(scale_inv.shape) != grid:
             raise ValueError(
                 f"scale_inv of shape {tuple(scale_inv.shape)} for a parameter of shape "
                 f"{tuple(p.shape)} in blocks {tuple(block)}: want {grid}"

@@ -5,8 +5,8 @@ Storage follows the level's weight-gradient column: one flat FP32 buffer for the
 gradients (every parameter's ``main_grad``, its ``fp8train.param_state.grad_slot``, is a view
 into it; a post-accumulate hook adds each micro-batch's ``.grad`` there and frees it, so BF16
 gradients also accumulate in FP32), and one flat FP8 buffer for the O1-O3 weight-gradient
-slots with a per-parameter region of FP32 ``scale_inv`` and ``amax`` (each ``Fp8GradSlot`` is
-bound to views of them).
+slots with a region of FP32 ``scale_inv`` and ``amax`` values, one per parameter, or one per
+block of a block-scaled slot (each ``Fp8GradSlot`` is bound to views of them).
 
 Buckets: parameters are taken in reverse registration order (roughly the order backward
 finishes them) and grouped per dtype into buckets of at least ``bucket_size`` elements. A
@@ -65,7 +65,7 @@ class _Bucket:
     padded: int  # elements, including padding
     bounds: tuple[int, ...] | None  # owner ranges within the bucket (distributed optimizer)
     held: bool = False
-    slot_base: int = 0  # index of the bucket's first slot in the scale / amax regions
+    slot_base: int = 0  # the bucket's first scale unit in the scale / amax regions
     own: tuple[int, int] = (0, 0)  # this rank's params within the bucket (distributed opt.)
     ready: int = 0
     pending: object = None
@@ -169,22 +169,25 @@ class GradBuffers:
     def _allocate(self, device) -> None:
         self.fp32 = torch.zeros(self._sizes[False], dtype=torch.float32, device=device)
         self.fp8 = torch.zeros(self._sizes[True], dtype=torch.uint8, device=device)
-        n_slots = sum(len(b.params) for b in self.buckets if b.fp8)
-        self.scale_inv = torch.ones(n_slots, dtype=torch.float32, device=device)
-        self.amax = torch.zeros(n_slots, dtype=torch.float32, device=device)
-        slot_index = 0
+        # One scale and one amax per unit: a slot, or each block of a block-scaled slot.
+        n_units = sum(fp8_grad_slot(p).units for b in self.buckets if b.fp8 for p in b.params)
+        self.scale_inv = torch.ones(n_units, dtype=torch.float32, device=device)
+        self.amax = torch.zeros(n_units, dtype=torch.float32, device=device)
+        unit = 0
         for bucket in self.buckets:
             offset = bucket.offset
-            bucket.slot_base = slot_index
+            bucket.slot_base = unit
             for p in bucket.params:
                 n = p.numel()
                 if bucket.fp8:
                     slot = fp8_grad_slot(p)
                     view = self.fp8[offset : offset + n].view(slot.fmt.dtype).view(p.shape)
-                    slot.bind(view, self.scale_inv[slot_index], self.amax[slot_index])
+                    grid, k = slot.scale_inv.shape, slot.units
+                    scale_inv = self.scale_inv[unit : unit + k].view(grid)
+                    slot.bind(view, scale_inv, self.amax[unit : unit + k].view(grid))
                     slot.on_accumulate = self._hook_for(p)
                     bucket.slots.append(slot)
-                    slot_index += 1
+                    unit += k
                 else:
                     set_grad_slot(p, self.fp32[offset : offset + n].view(p.shape))
                     p.register_post_accumulate_grad_hook(_accumulate_then(self._hook_for(p)))
@@ -281,9 +284,9 @@ class GradBuffers:
             owned, scale = cast_owned_chunk(rs)  # the one E4M3 rounding, shared scale
             lo = bucket.offset + rs.start
             self.fp8[lo : lo + owned.numel()].copy_(owned.view(torch.uint8))
-            # Owned slots get the shared scale and the max-over-ranks amax; the others keep
+            # Owned slots get the shared scales and the max-over-ranks amaxes; the others keep
             # their local (unreduced, unused) contents, consistent with their bytes.
-            i, j = bucket.own
+            i, j = (rs.layout.unit_offsets[k] for k in bucket.own)
             base = bucket.slot_base
             self.scale_inv[base + i : base + j].copy_(1.0 / scale[i:j])
             self.amax[base + i : base + j].copy_(rs.amax[i:j])

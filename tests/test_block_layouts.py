@@ -1,7 +1,8 @@
 """Block-wise FP8 scaling (``precision.fp8_granularity=block``) through ``pretrain``: TP=2
 (with and without sequence parallelism), PP=2 and DP=2 with the distributed optimizer at te,
-DP=2 with it at O2, each against the single-process run of its level; resume and recompute
-bit for bit; a TP=2 checkpoint resumed on one process. Forked ranks shared between the tests.
+DP=2 at O1, DP=2 with the distributed optimizer at O2 and O3, TP=2 at O3, each against the
+single-process run of its level; resume and recompute bit for bit; TP=2 <-> TP=1 checkpoints
+resumed (te, O3). Forked ranks shared between the tests.
 
 The tiny GPT is widened to hidden 256 with 2 heads so that TP=2 cuts every weight on a block
 boundary (MLP 1024 -> 512 per rank, attention 256 -> 128): each rank then casts the same tiles
@@ -33,8 +34,10 @@ LAYOUTS = {  # name: (level, ranks, overrides), each against the one-process run
     "tp2_sp": ("te", 2, {"parallel.tensor": 2, "parallel.sequence_parallel": "true"}),
     "pp2": ("te", 2, {"parallel.pipeline": 2}),
     "dp2_dist_opt": ("te", 2, {"optimizer.distributed": "true"}),
-    # O2: FP16 masters read through block casts; FP8 gradient slots and their FP8
-    # reduce-scatter keep per-tensor scales.
+    # O1/O2: FP16 masters read through block casts; FP8 gradient slots with 128x128 block
+    # scales, averaged by the FP8 all-reduce (O1) or reduce-scatter (O2, distributed optimizer)
+    # with one shared scale per block.
+    "O1_dp2": ("O1", 2, {}),
     "O2_dp2_dist_opt": ("O2", 2, {"optimizer.distributed": "true"}),
     # O3: FP8 weights stored in 128x128 blocks, each shard its own blocks' scales (TP), and
     # the owners' updated weights all-gathered with their scale grids (distributed optimizer).
@@ -65,6 +68,7 @@ def block_runs(tiny_data, tmp_path_factory):
     pretrain_ranks(
         1, [(TINY, tiny_overrides(tiny_data, root / "recompute", "te", **BLOCK, **recompute))]
     )
+    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O1", "O1", **BLOCK))])
     pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O2", "O2", **BLOCK))])
     pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O3", "O3", **BLOCK))])
     kept_o3 = root / "iter_0000003_O3"

@@ -13,6 +13,7 @@ from fp8train import gemm
 from fp8train.blockwise import (
     BLOCK,
     BlockFloat8Tensor,
+    block_amax,
     block_gemm,
     operand_block,
     per_element,
@@ -266,7 +267,7 @@ def test_initialize_takes_the_granularity():
 
 def test_o2_block_gradient_lands_in_the_fp8_slot():
     # O2: the FP16 tensor-scaled master is dequantized for the block cast; the weight
-    # gradient (an FP32 GEMM output) goes into the weight's per-tensor FP8 slot, not .grad.
+    # gradient (an FP32 GEMM output) goes into the weight's block-scaled FP8 slot, not .grad.
     from fp8train.param_state import grad_slot
 
     block = ScalingRecipe(mode="current", granularity="block")
@@ -283,7 +284,8 @@ def test_o2_block_gradient_lands_in_the_fp8_slot():
     (x64 @ w64.t() + layer.bias.detach().double()).backward(g.double())
     assert layer.weight.grad is None
     slot = grad_slot(layer.weight)
-    dw = slot.data.float() * slot.scale_inv
+    assert slot.scale_inv.shape == (2, 2)  # the slot keeps one scale per 128x128 block
+    dw = slot.dequantize()
     assert sqnr_db(w64.grad, dw) >= 18 and sqnr_db(x64.grad, x_in.grad) >= 18
 
 
@@ -328,3 +330,26 @@ def test_o3_block_weight_is_stored_in_blocks_and_stepped_through_its_master():
     assert not torch.equal(layer.weight.float(), expected.data.float())  # it moved
     assert torch.equal(layer.weight.view(torch.uint8), again.data.view(torch.uint8))
     assert torch.equal(layer.weight_scale_inv, again.scale_inv)
+
+
+def test_block_scaled_gradient_slot_accumulates_block_by_block():
+    # The FP8 weight-gradient slot at block granularity: each accumulation casts the FP32 sum
+    # with one scale per 128x128 block from that block's amax, by quantize_blocks' rule (checked
+    # against numpy + ml_dtypes above), so the bytes and grids are equal to it bit for bit.
+    from fp8train.low_precision import Fp8GradSlot
+
+    gen = torch.Generator().manual_seed(12)
+    g1 = torch.randn(300, 200, generator=gen) * 2.0 ** -(torch.arange(300) % 9)[:, None]
+    g2 = torch.randn(300, 200, generator=gen) * 1e-3
+    slot = Fp8GradSlot((300, 200), block=(128, 128))
+    assert slot.units == 6 and slot.scale_inv.shape == (3, 2)
+    total = g1
+    for g in (g1, g2):
+        slot.accumulate(g)
+        expected = quantize_blocks(total, E4M3, (128, 128))
+        assert torch.equal(slot.data.view(torch.uint8), expected.data.view(torch.uint8))
+        assert torch.equal(slot.scale_inv, expected.scale_inv)
+        assert torch.equal(slot.amax, block_amax(total, (128, 128)))
+        total = expected.dequantize() + g2
+    slot.mul_(0.5)  # unscaling or clipping touches the scales only
+    assert torch.equal(slot.dequantize(), expected.dequantize() * 0.5)

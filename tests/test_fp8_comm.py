@@ -38,7 +38,24 @@ MIXED = [(3, 5), (7,), (1,), (13, 11), (3,)]
 # ~1M elements, shaped like a small transformer layer's weights.
 BIG = [(1024, 768), (768, 256), (768, 8), (333,)]
 FP32_SHAPES = [(5, 3), (17,), (4, 4, 2)]
-FP8_CASES = {"mixed": MIXED, "big": BIG, "overflow": MIXED}
+# Block-scaled slots (row/block FP8 granularity) beside a per-tensor one: 128x128 blocks with
+# partial last blocks, per-row scales, and a grid of one block row.
+BLOCKED = [(300, 200), (7,), (13, 11), (130, 5)]
+FP8_CASES = {"mixed": MIXED, "big": BIG, "overflow": MIXED, "blocked": BLOCKED}
+BLOCKS = {"blocked": [(128, 128), None, (1, 11), (128, 128)]}
+
+
+def _blocks(case: str) -> list:
+    return BLOCKS.get(case, [None] * len(FP8_CASES[case]))
+
+
+def _specs(case: str) -> tuple:
+    """The layout's view of a case's slots (parallel.fp8_comm.SlotSpec)."""
+    out = []
+    for shape, block in zip(FP8_CASES[case], _blocks(case)):
+        n = int(np.prod(shape))
+        out.append((n, 0, 0, 0, 0) if block is None else (n, *shape, *block))
+    return tuple(out)
 
 
 def _grads(case: str, shapes, rank: int) -> list[torch.Tensor]:
@@ -47,12 +64,15 @@ def _grads(case: str, shapes, rank: int) -> list[torch.Tensor]:
     for i, shape in enumerate(shapes):
         # Magnitudes differ across tensors *and* ranks, so the senders' scales all differ.
         mag = 1e-3 if case == "big" else 2.0 ** (2 * i - 3 * rank)
-        out.append(torch.randn(shape, generator=gen) * mag)
+        grad = torch.randn(shape, generator=gen) * mag
+        if case == "blocked" and len(shape) == 2:  # rows 2**0 .. 2**-12 apart: blocks matter
+            grad *= 2.0 ** -(torch.arange(shape[0]) % 13).float()[:, None]
+        out.append(grad)
     return out
 
 
 def _slots(case: str, rank: int, world: int) -> list[Fp8GradSlot]:
-    slots = [Fp8GradSlot(shape) for shape in FP8_CASES[case]]
+    slots = [Fp8GradSlot(shape, block=b) for shape, b in zip(FP8_CASES[case], _blocks(case))]
     for i, (slot, grad) in enumerate(zip(slots, _grads(case, FP8_CASES[case], rank))):
         if case == "mixed" and i == 2 and rank == 0:
             continue  # an untouched slot: zeros, scale_inv 1, amax 0
@@ -65,14 +85,13 @@ def _slots(case: str, rank: int, world: int) -> list[Fp8GradSlot]:
     return slots
 
 
-def _snapshot(slots) -> list[tuple[np.ndarray, float, float]]:
-    """Flat FP8 bytes, scale_inv and amax of each slot (after checking the slot kept its shape)."""
+def _snapshot(slots) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Flat FP8 bytes, scale_inv and amax (one per scale unit) of each slot."""
     out = []
-    for s, shape in zip(slots, (tuple(s.shape) for s in slots)):
-        assert s.data.dtype == torch.float8_e4m3fn and tuple(s.data.shape) == shape
-        out.append(
-            (s.data.view(torch.uint8).reshape(-1).numpy().copy(), s.scale_inv.item(), s.amax.item())
-        )
+    for s in slots:
+        assert s.data.dtype == torch.float8_e4m3fn
+        flat = [s.data.view(torch.uint8), s.scale_inv, s.amax]
+        out.append(tuple(t.reshape(-1).numpy().copy() for t in flat))
     return out
 
 
@@ -131,13 +150,15 @@ def run(request, tmp_path_factory):
     return world, ranks
 
 
-def _dequant64(inputs) -> np.ndarray:
+def _per_element(case: str, per_unit: np.ndarray) -> np.ndarray:
+    return per_unit[np.array(_unit_of_each_element(_specs(case)), dtype=np.int64)]
+
+
+def _dequant64(case: str, inputs) -> np.ndarray:
     """One rank's slots as a flat float64 vector (exact: 4-bit x 24-bit mantissas fit)."""
-    parts = [
-        data.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.float64(np.float32(sinv))
-        for data, sinv, _ in inputs
-    ]
-    return np.concatenate(parts)
+    data = np.concatenate([d.view(ml_dtypes.float8_e4m3fn) for d, _, _ in inputs])
+    sinv = np.concatenate([s for _, s, _ in inputs]).astype(np.float32).astype(np.float64)
+    return data.astype(np.float64) * _per_element(case, sinv)
 
 
 def _reference_scale(amax: np.ndarray) -> np.ndarray:
@@ -151,12 +172,10 @@ def _reference_scale(amax: np.ndarray) -> np.ndarray:
 
 def _check_average(world, ranks, case):
     """(i) and (ii) for one case; returns the float64 average."""
-    terms = np.stack([_dequant64(r[case]["inputs"]) for r in ranks])  # [W, N]
+    terms = np.stack([_dequant64(case, r[case]["inputs"]) for r in ranks])  # [W, N]
     avg = terms.mean(axis=0)
     mag = np.abs(terms).mean(axis=0)
     n = avg.size
-    numels = [int(np.prod(s)) for s in FP8_CASES[case]]
-    tensor_of = np.repeat(np.arange(len(numels)), numels)
 
     # (i) FP32 chunk of each rank == float64 average, to FP32 rounding of the W terms.
     chunks = []
@@ -173,32 +192,36 @@ def _check_average(world, ranks, case):
     full_chunk = np.concatenate(chunks)[:n]
 
     # (ii) final bytes == E4M3(clip(chunk * scale)) with the shared max-over-ranks amax.
-    amax_all = np.array([[a for _, _, a in r[case]["inputs"]] for r in ranks], dtype=np.float32)
+    # One amax and scale per unit: per tensor, or per block of a block-scaled slot.
+    amax_all = np.array(
+        [np.concatenate([a for _, _, a in r[case]["inputs"]]) for r in ranks], dtype=np.float32
+    )
     amax_all = np.where(np.isnan(amax_all), np.float32(np.inf), amax_all)
     amax = amax_all.max(axis=0)
     scale = _reference_scale(amax)
-    scaled = np.clip(full_chunk * scale[tensor_of], -448.0, 448.0).astype(np.float32)
+    scaled = np.clip(full_chunk * _per_element(case, scale), -448.0, 448.0).astype(np.float32)
     expected = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     for r in ranks:
         out = r[case]["outputs"]
         got = np.concatenate([data for data, _, _ in out])
         assert np.array_equal(got, expected), f"{(got != expected).sum()} bytes differ"
         want_sinv = (1.0 / torch.from_numpy(scale)).numpy()
-        np.testing.assert_array_equal(np.array([s for _, s, _ in out], np.float32), want_sinv)
-        np.testing.assert_array_equal(np.array([a for _, _, a in out], np.float32), amax)
+        np.testing.assert_array_equal(np.concatenate([s for _, s, _ in out]), want_sinv)
+        np.testing.assert_array_equal(np.concatenate([a for _, _, a in out]), amax)
     return avg, amax
 
 
 def test_fp32_intermediate_and_fp8_result_match_references(run):
     world, ranks = run
-    for case in ("mixed", "big"):  # (i), (ii), (v): odd total, a 1-element and a zero slot
+    # (i), (ii), (v): odd total, a 1-element and a zero slot; block-scaled slots.
+    for case in ("mixed", "big", "blocked"):
         avg, amax = _check_average(world, ranks, case)
         assert np.isfinite(amax).all()
         assert not any(r[case]["found_inf"] for r in ranks)
         # One E4M3 rounding in total: within half an ulp (2**-4 relative) of the exact average.
         out = ranks[0][case]["outputs"]
-        deq = _dequant64(out)
-        sinv = np.concatenate([np.full(d.size, s) for d, s, _ in out])
+        deq = _dequant64(case, out)
+        sinv = _per_element(case, np.concatenate([s for _, s, _ in out]).astype(np.float64))
         err = np.abs(deq - avg)
         assert np.all(err <= 2.0**-4 * np.abs(avg) + 2.0**-10 * sinv + 1e-6 * np.abs(avg))
 
@@ -227,7 +250,7 @@ def test_overflow_on_one_rank_reaches_every_rank(run):
     assert np.isfinite(np.delete(amax, [0, 3])).all()
     for r in ranks:
         assert r["overflow"]["found_inf"]
-        out_amax = [a for _, _, a in r["overflow"]["outputs"]]
+        out_amax = [a.item() for _, _, a in r["overflow"]["outputs"]]
         assert out_amax[0] == float("inf") and out_amax[3] == float("inf")
 
 
@@ -274,19 +297,44 @@ def test_comm_meter_steps_and_totals():
     assert meter.totals()[("reduce_scatter_fp8", "data", "uint8")] == 150
 
 
+def _unit_of_each_element(specs) -> list[int]:
+    """The scale unit of every element of the flat buffer, element by element (the rule the
+    layout's runs must reproduce): one unit per slot, or (r // br) * ceil(C/bc) + c // bc."""
+    units, base = [], 0
+    for n, rows, cols, br, bc in specs:
+        if br == 0:
+            units += [base] * n
+            base += 1
+            continue
+        cb = -(-cols // bc)
+        units += [base + (r // br) * cb + c // bc for r in range(rows) for c in range(cols)]
+        base += -(-rows // br) * cb
+    return units
+
+
 def test_layout_segments_cover_each_chunk():
-    numels = (15, 7, 1, 143, 3)
+    # Per-tensor slots and block-scaled ones (partial blocks, per-row blocks) mixed, cut into
+    # equal chunks for several world sizes: every element gets its own unit, padding the last.
+    specs = (
+        (15, 0, 0, 0, 0),
+        (35, 5, 7, 2, 3),
+        (1, 0, 0, 0, 0),
+        (143, 11, 13, 1, 13),
+        (3, 0, 0, 0, 0),
+        (260, 20, 13, 16, 8),
+    )
+    want = _unit_of_each_element(specs)
+    units = max(want) + 1
     for world in (1, 2, 3, 4, 7):
         covered = []
         for rank in range(world):
-            lay = _layout(numels, world, rank)
+            lay = _layout(specs, world, rank)
+            assert lay.units == units
             assert int(lay.seg_lengths.sum()) == lay.chunk
-            ids = torch.arange(len(numels) + 1).float()
-            covered.append(lay.per_element(ids))
+            covered.append(lay.per_element(torch.arange(units + 1).float()))
         flat = torch.cat(covered)
-        want = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(numels)).float()
-        assert torch.equal(flat[: sum(numels)], want)
-        assert torch.all(flat[sum(numels) :] == len(numels))  # padding
+        assert flat[: len(want)].tolist() == want
+        assert torch.all(flat[len(want) :] == units)  # padding
 
 
 def test_no_group_is_a_noop():
@@ -295,7 +343,7 @@ def test_no_group_is_a_noop():
     found_inf = allreduce_fp8_grads(slots, None)
     assert not bool(found_inf)
     for (d0, s0, a0), (d1, s1, a1) in zip(before, _snapshot(slots)):
-        assert np.array_equal(d0, d1) and s0 == s1 and a0 == a1
+        assert np.array_equal(d0, d1) and np.array_equal(s0, s1) and np.array_equal(a0, a1)
     tensors = [torch.ones(3)]
     allreduce_fp32_grads(tensors, None)
     assert torch.equal(tensors[0], torch.ones(3))

@@ -381,7 +381,9 @@ def clip_grad_norm(
         squares += [n.square() for n in norms]
     for slot in slots:
         # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
-        squares.append(torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax)
+        squares.append(
+            torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax.amax()
+        )
     # A rank holding no gradients still joins the reductions, on the run's device (nccl
     # reduces no CPU tensors).
     if not squares and pp_group is None and dp_group is None:
