@@ -38,6 +38,7 @@ __all__ = [
     "block_gemm",
     "block_amax",
     "block_grid",
+    "cast_blocks",
     "fit_block",
     "operand_block",
     "per_element",
@@ -122,14 +123,20 @@ def scaled_value(
     return data.float() * per_element(scale_inv.float(), block, tuple(data.shape))
 
 
+def _tiled(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """2-D ``x`` as ``[Rb, br, Cb, bc]`` (a view when the blocks divide it; partial last blocks
+    padded with zeros otherwise), so per-block values broadcast as ``[Rb, 1, Cb, 1]``."""
+    (r, c), (br, bc) = x.shape, block
+    rb, cb = block_grid((r, c), block)
+    if rb * br != r or cb * bc != c:
+        x = F.pad(x, (0, cb * bc - c, 0, rb * br - r))
+    return x.reshape(rb, br, cb, bc)
+
+
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``max |x|`` over each block of a 2-D ``x``: ``[ceil(R/br), ceil(C/bc)]`` fp32. Partial
     last blocks are padded with zeros, which never raise an amax (NaN still propagates)."""
-    r, c = x.shape
-    br, bc = block
-    rb, cb = block_grid((r, c), block)
-    padded = F.pad(x.detach().float(), (0, cb * bc - c, 0, rb * br - r))
-    return padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3))
+    return _tiled(x.detach(), block).abs().amax(dim=(1, 3)).float()
 
 
 def quantize_blocks(
@@ -145,9 +152,29 @@ def quantize_blocks(
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks: a 2-D tensor, not {tuple(x.shape)}")
     block = fit_block(block, tuple(x.shape))
-    scale = compute_scale(block_amax(x, block), fmt, margin, power_of_two, fallback=1.0)
-    data = cast_to_fp8(x.detach(), fmt, per_element(scale, block, tuple(x.shape)))
+    data, scale, _ = cast_blocks(x, fmt, block, margin, power_of_two)
     return BlockFloat8Tensor(data, scale.reciprocal(), fmt, block)
+
+
+def cast_blocks(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    block: tuple[int, int],
+    margin: int = 0,
+    power_of_two: bool = False,
+    fallback: torch.Tensor | float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_blocks``' cast as ``(bytes, scale grid, amax grid)``; ``fallback``: the scale
+    of a block whose amax is zero or not finite (a tensor of the grid's shape, or a number)."""
+    tiles = _tiled(x.detach(), block)
+    amax = tiles.abs().amax(dim=(1, 3)).float()
+    scale = compute_scale(amax, fmt, margin, power_of_two, fallback)
+    # Each tile times its own scale, broadcast: the per-element products of a spread scale
+    # tensor without building it.
+    data = cast_to_fp8(tiles, fmt, scale[:, None, :, None])
+    r, c = x.shape
+    data = data.reshape(tiles.shape[0] * tiles.shape[1], -1)[:r, :c]
+    return data.contiguous(), scale, amax
 
 
 def _k_blocks(a: BlockFloat8Tensor, b: BlockFloat8Tensor) -> int:
@@ -168,11 +195,15 @@ def block_gemm(
     bk = _k_blocks(a, b)
     m, k = a.data.shape
     n = b.data.shape[0]
-    acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+    a32, b32 = a.data.float(), b.data.float()  # exact; once, not per K block
+    acc = None
     for j in range(math.ceil(k / bk)):
         cols = slice(j * bk, (j + 1) * bk)
-        part = a.data[:, cols].float() @ b.data[:, cols].float().t()
+        part = a32[:, cols] @ b32[:, cols].t()
         sa = a.scale_inv[:, j].repeat_interleave(a.block[0])[:m]
         sb = b.scale_inv[:, j].repeat_interleave(b.block[0])[:n]
-        acc += part * sa[:, None] * sb[None, :]
+        part.mul_(sa[:, None]).mul_(sb[None, :])  # (product * sa) * sb, in place
+        acc = part if acc is None else acc.add_(part)
+    if acc is None:  # K = 0
+        acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     return acc.to(out_dtype)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blockwise import block_amax, block_grid, per_element, scaled_value
+from .blockwise import block_grid, cast_blocks, scaled_value
 from .formats import E4M3, FP8Format, cast_to_fp8
 from .scaling import compute_scale
 
@@ -131,11 +131,16 @@ class Fp8GradSlot:
 
     def accumulate(self, grad: torch.Tensor) -> None:
         total = grad.float() if not self.has_data else self.dequantize() + grad.float()
-        amax = total.abs().amax() if self.block is None else block_amax(total, self.block)
         # Non-finite amax: keep it (the inf check reads it) but cast with a finite scale.
-        scale = compute_scale(amax, self.fmt, fallback=1.0 / self.scale_inv)
-        spread = scale if self.block is None else per_element(scale, self.block, total.shape)
-        self.data.copy_(cast_to_fp8(total, self.fmt, spread))
+        if self.block is None:
+            amax = total.abs().amax()
+            scale = compute_scale(amax, self.fmt, fallback=1.0 / self.scale_inv)
+            self.data.copy_(cast_to_fp8(total, self.fmt, scale))
+        else:
+            data, scale, amax = cast_blocks(
+                total, self.fmt, self.block, fallback=1.0 / self.scale_inv
+            )
+            self.data.copy_(data)
         self.scale_inv.copy_(1.0 / scale)
         self.amax.copy_(amax)
         self.has_data = True
