@@ -23,3 +23,22 @@ def test_table_rows_and_write(tmp_path, capsys):
     # Blocks confine an outlier input channel to its own tiles: y is at least tensor's.
     outlier = "outlier input channels"
     assert values[outlier, "block"][0] >= values[outlier, "tensor (torchao tensorwise)"][0]
+
+
+def test_bench_levels_level_specs():
+    # tools/bench_levels.py's "level@granularity+grad_format": the overrides each row runs with.
+    from tools.bench_levels import granularity_overrides
+
+    assert granularity_overrides("O2") == ("O2", [])
+    assert granularity_overrides("te:bf16@row") == (
+        "te:bf16",
+        ["precision.fp8_granularity=row", "precision.fp8_recipe=current"],
+    )
+    assert granularity_overrides("O3@block+e4m3") == (
+        "O3",
+        [
+            "precision.fp8_granularity=block",
+            "precision.fp8_recipe=current",
+            "precision.fp8_grad_format=e4m3",
+        ],
+    )

@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench_levels.py --model roberta --config configs/roberta_tiny.yaml ...
     .venv/bin/python tools/bench_levels.py --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
     .venv/bin/python tools/bench_levels.py --levels bf16 te te@row te@block  # fp8_granularity
+    .venv/bin/python tools/bench_levels.py --levels bf16 O2 O2@block+e4m3  # E4M3 gradients too
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
@@ -41,11 +42,17 @@ def _finished(metrics: Path, iters: int) -> bool:
 
 def granularity_overrides(level: str) -> tuple[str, list[str]]:
     """``"te@block"`` -> ``("te", [precision.fp8_granularity=block, fp8_recipe=current])``:
-    a level with row- or block-wise FP8 scales (current scaling, which they need)."""
+    a level with row- or block-wise FP8 scales (current scaling, which they need);
+    ``"te@block+e4m3"`` also stores output gradients in E4M3 (``precision.fp8_grad_format``,
+    the block recipes' choice)."""
     level, _, granularity = level.partition("@")
-    if not granularity:
-        return level, []
-    return level, [f"precision.fp8_granularity={granularity}", "precision.fp8_recipe=current"]
+    granularity, _, grad_format = granularity.partition("+")
+    out = []
+    if granularity:
+        out += [f"precision.fp8_granularity={granularity}", "precision.fp8_recipe=current"]
+    if grad_format:
+        out.append(f"precision.fp8_grad_format={grad_format}")
+    return level, out
 
 
 def run_level(
