@@ -191,3 +191,23 @@ def test_block_health_reaches_tensorboard(block_runs):
         assert f"fp8/layers.0.mlp.fc1/grad_output_{what}" in tags, what
     spreads = [e.value for e in acc.Scalars("fp8/layers.0.mlp.fc1/input_scale_spread")]
     assert spreads and all(s >= 0 for s in spreads)
+
+
+def test_fp8_health_report_reads_the_runs(block_runs, tmp_path, capsys):
+    # tools/fp8_health_report.py on real event files: the worst (layer, role) pairs of each run
+    # and the per-role means side by side; a directory without TensorBoard is one error line.
+    from tools.fp8_health_report import main, read_health
+
+    runs = [str(block_runs / "ref"), str(block_runs / "ref_O2")]
+    assert main([*runs, "--top", "3", "--write", str(tmp_path / "r.md")]) == 0
+    out = capsys.readouterr().out
+    assert "**ref**: the 3 (layer, role) pairs" in out and "**ref_O2**" in out
+    assert "| grad_output | underflow |" in out and out == (tmp_path / "r.md").read_text()
+    health = read_health(block_runs / "ref", last=2)
+    assert ("layers.0.mlp.fc1", "grad_output") in health
+    assert set(health["layers.0.mlp.fc1", "grad_output"]) == {
+        "underflow", "saturated", "scale_spread"
+    }  # fmt: skip
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
