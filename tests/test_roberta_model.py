@@ -315,3 +315,24 @@ def test_masked_lm_loss_and_every_gradient_match_hugging_face(tmp_path):
     for name, g in grads.items():
         err = (params[name].grad - g).norm() / g.norm().clamp(min=1e-12)
         assert err < 1e-5, (name, err.item())
+
+
+def test_bf16_small_tables_sum_their_gradient_in_fp32():
+    # A BF16 table's own CPU backward adds the looked-up rows' gradients in BF16, and the
+    # one token-type row sums every token's: bf16 RoBERTa trained worse than fp32 because of
+    # it (docs/BENCHMARKS.md). The lookup sums in FP32 and rounds to BF16 once, so the row's
+    # gradient is the float64 sum to one BF16 rounding (half an ulp, 2**-9 relative) plus
+    # FP32's accumulation error over 1024 terms (far below that).
+    from models.roberta import _fp32_grad_lookup
+
+    table = torch.nn.Embedding(1, 64).to(torch.bfloat16)
+    ids = torch.zeros(8, 128, dtype=torch.long)
+    upstream = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(3))
+    out = _fp32_grad_lookup(table, ids)
+    assert out.dtype == torch.bfloat16 and torch.equal(out[0, 0], table.weight[0])
+    terms = upstream.to(torch.bfloat16)
+    out.backward(terms)
+    exact = terms.double().sum(dim=(0, 1))
+    err = (table.weight.grad[0].double() - exact).abs()
+    fp32_sum = 1024 * 2.0**-24 * terms.double().abs().sum(dim=(0, 1))  # worst case, n terms
+    assert torch.all(err <= 2.0**-9 * (exact.abs() + fp32_sum) + fp32_sum)
