@@ -40,6 +40,7 @@ from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
 from models.transformer import (
     DEFAULT_LAYER_SPEC,
+    LayerNorm,
     LayerSpec,
     TransformerConfig,
     TransformerLayer,
@@ -145,7 +146,7 @@ class RobertaModel(ParallelModel):
         if stage.has_embedding():
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h, device=device)
             self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h, device=device)
-            self.embedding_norm = nn.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
+            self.embedding_norm = LayerNorm(h, eps=cfg.norm_epsilon, device=device)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         spec = self.layer_spec
         self.layers = LayerDict(
@@ -156,7 +157,7 @@ class RobertaModel(ParallelModel):
             return
         # recipe=None: the heads stay in higher precision (module doc).
         self.lm_dense = Linear(h, h, recipe=None, device=device)
-        self.lm_norm = nn.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
+        self.lm_norm = LayerNorm(h, eps=cfg.norm_epsilon, device=device)
         self.lm_bias = VocabParallelBias(cfg.vocab_size, group=group, device=device, skip_init=skip)
         if cfg.add_binary_head:
             self.pooler = Linear(h, h, recipe=None, device=device)

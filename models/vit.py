@@ -42,6 +42,7 @@ from models.base import LayerDict, ParallelModel
 from models.context import BuildContext
 from models.transformer import (
     DEFAULT_LAYER_SPEC,
+    LayerNorm,
     LayerSpec,
     TransformerConfig,
     TransformerLayer,
@@ -161,7 +162,7 @@ class ViTModel(ParallelModel):
             for i in stage.local_layers()
         )
         if stage.has_head():
-            self.final_norm = nn.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
+            self.final_norm = LayerNorm(h, eps=cfg.norm_epsilon, device=device)
             self.classifier = Linear(h, cfg.num_classes, recipe=None, device=device)
 
     def init_parameter(self, module_name, module, param_name, tensor) -> None:

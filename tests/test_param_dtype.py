@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import REPO, tiny_overrides
 from multiproc import pretrain_ranks
 
@@ -142,3 +143,33 @@ def test_a_checkpoint_converts_to_tp2_and_continues(tiny_data, tmp_path):
     assert [after[i] for i in (4, 5, 6)] == pytest.approx(
         [losses(straight)[i] for i in (4, 5, 6)], rel=2e-2
     )
+
+
+def test_bf16_layer_norm_sums_its_parameter_gradients_in_fp32():
+    # models.transformer.LayerNorm at bf16 on the CPU: computed in float32, so the weight and
+    # bias gradients (sums over the 1024 tokens) are the float64 sums of the same BF16 inputs
+    # rounded once to BF16 (2**-8 relative per element, BF16's unit roundoff; float32's own summing error is ~1e-7).
+    # torch's BF16 kernel on the CPU sums in BF16: ~3% off here.
+    from models.transformer import LayerNorm
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1024, 256, generator=gen).to(torch.bfloat16)
+    g = torch.randn(1024, 256, generator=gen).to(torch.bfloat16)
+    norm = LayerNorm(256).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1, generator=gen)
+        norm.bias.normal_(0.0, 0.1, generator=gen)
+    y = norm(x.requires_grad_())
+    assert y.dtype == torch.bfloat16
+    y.backward(g)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, norm.weight, norm.bias))
+    torch.nn.functional.layer_norm(x64, (256,), w64, b64, norm.eps).backward(g.double())
+    xhat = torch.nn.functional.layer_norm(x.detach().double(), (256,), eps=norm.eps)
+    # Float32 summing and normalising error: ~1e-7 of the sum of the terms' magnitudes.
+    slack = 1e-6 * torch.stack([g.double().abs() * xhat.abs(), g.double().abs()]).sum(1)
+    for got, want, extra in (
+        (norm.weight.grad, w64.grad, slack[0]),
+        (norm.bias.grad, b64.grad, slack[1]),
+    ):
+        err = (got.double() - want).abs()
+        assert torch.all(err <= 2.0**-8 * want.abs() + extra)

@@ -321,7 +321,7 @@ def test_bf16_small_tables_sum_their_gradient_in_fp32():
     # A BF16 table's own CPU backward adds the looked-up rows' gradients in BF16, and the
     # one token-type row sums every token's: bf16 RoBERTa trained worse than fp32 because of
     # it (docs/BENCHMARKS.md). The lookup sums in FP32 and rounds to BF16 once, so the row's
-    # gradient is the float64 sum to one BF16 rounding (half an ulp, 2**-9 relative) plus
+    # gradient is the float64 sum to one BF16 rounding (2**-8 relative, BF16's unit roundoff) plus
     # FP32's accumulation error over 1024 terms (far below that).
     from models.roberta import _fp32_grad_lookup
 
@@ -335,4 +335,4 @@ def test_bf16_small_tables_sum_their_gradient_in_fp32():
     exact = terms.double().sum(dim=(0, 1))
     err = (table.weight.grad[0].double() - exact).abs()
     fp32_sum = 1024 * 2.0**-24 * terms.double().abs().sum(dim=(0, 1))  # worst case, n terms
-    assert torch.all(err <= 2.0**-9 * (exact.abs() + fp32_sum) + fp32_sum)
+    assert torch.all(err <= 2.0**-8 * (exact.abs() + fp32_sum) + fp32_sum)
