@@ -6,7 +6,8 @@ tensor's amax sits just below 65504 (MS-AMP's tensor scaling): multiplying by a 
 exact, so the only rounding is FP16's own 11-bit mantissa, and small values keep FP16's range.
 
 ``Fp8GradSlot`` is a weight gradient kept in FP8 E4M3 between backward and the optimizer step
-(a main-grad slot). Accumulation rule across micro-batches: the stored gradient is read back to
+(a main-grad slot), with one scale per tensor, or per row or 128x128 block at row/block FP8
+granularity. Accumulation rule across micro-batches: the stored gradient is read back to
 FP32, the new micro-batch's FP32 gradient is added, and the sum is cast again with a scale from
 the sum's own amax. Each accumulation therefore rounds once to E4M3 (relative error at most
 2**-4 of an element's magnitude, half an E4M3 ulp, for normal values); after k micro-batches the
@@ -87,7 +88,8 @@ class ScaledTensor:
 
 
 class Fp8GradSlot:
-    """An FP8 E4M3 weight gradient with a per-tensor scale, accumulated across micro-batches.
+    """An FP8 E4M3 weight gradient with a per-tensor (or per-block) scale, accumulated across
+    micro-batches.
 
     ``block`` (rows, columns): one scale per block of the 2-D gradient instead (row/block FP8
     granularity: ``(1, K)`` per row, ``(128, 128)`` per block); ``scale_inv`` and ``amax`` are

@@ -308,17 +308,46 @@ class RMSNorm(nn.Module):
 
 
 def layer_norm(x: torch.Tensor, shape, weight, bias, eps: float) -> torch.Tensor:
-    """``F.layer_norm``; on the CPU with low-precision tensors, computed in float32 and the
-    output rounded once. The CPU's BF16 LayerNorm backward sums the weight and bias gradients
-    over the tokens in BF16 (measured: 2.6% and 2.9% off a float64 sum over 1024 tokens,
-    against 4e-7 in float32), where CUDA's kernel accumulates in float32; so a bf16 reference
-    on the CPU would carry an error a GPU run does not have. Same values in float32."""
-    if x.device.type != "cpu" or x.dtype == torch.float32:
+    """``F.layer_norm``; on the CPU with low-precision tensors, its backward runs in float32.
+    The CPU's BF16 LayerNorm backward sums the weight and bias gradients over the tokens in
+    BF16 (measured: 2.6% and 2.9% off a float64 sum over 1024 tokens, against 4e-7 in
+    float32), where CUDA's kernel accumulates in float32, so a bf16 reference on the CPU would
+    carry an error a GPU run does not have. The forward and what it keeps for backward are
+    the native kernel's (the same memory). The planner's meta step takes this path too, so a
+    plan and the CPU step it is checked against run the same operations (for a CUDA run the
+    plan then counts the float32 backward's extra traffic, a few bytes per norm element)."""
+    if x.is_cuda or x.dtype == torch.float32:
         return F.layer_norm(x, shape, weight, bias, eps)
-    low = x.dtype
-    weight = None if weight is None else weight.float()
-    bias = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), shape, weight, bias, eps).to(low)
+    return _Fp32BackwardLayerNorm.apply(x, weight, bias, tuple(shape), eps)
+
+
+class _Fp32BackwardLayerNorm(torch.autograd.Function):
+    """LayerNorm whose forward is ``F.layer_norm`` as it is and whose backward recomputes it
+    in float32 from the saved input: the gradients are float32 sums, rounded once to their
+    tensors' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.shape, ctx.eps = shape, eps
+        return F.layer_norm(x, shape, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [
+                None if t is None else t.detach().float().requires_grad_(need)
+                for t, need in zip(saved, ctx.needs_input_grad[:3])
+            ]
+            y = F.layer_norm(inputs[0], ctx.shape, inputs[1], inputs[2], ctx.eps)
+            wanted = [t for t in inputs if t is not None and t.requires_grad]
+            found = iter(torch.autograd.grad(y, wanted, grad.float()))
+        grads = [
+            next(found).to(t.dtype) if f is not None and f.requires_grad else None
+            for t, f in zip(saved, inputs)
+        ]
+        return (*grads, None, None)
 
 
 class LayerNorm(nn.LayerNorm):

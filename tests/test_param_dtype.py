@@ -74,8 +74,10 @@ def test_model_state_bytes(tiny_data, tmp_path, level, linear, other):
     roles = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])[
         "bytes-per-param-by-role"
     ]
-    # Measured from the live tensors, per-tensor scales included (parts per million here).
-    assert roles["linear/total"] == pytest.approx(linear, abs=1e-3)
+    # Measured from the live tensors, per-tensor scales included (O2: 4 bytes each for the
+    # weight and both moments, 8 for the gradient slot's scale and amax, over 4096-16384
+    # elements per tensor: under 0.002 bytes per parameter here).
+    assert roles["linear/total"] == pytest.approx(linear, abs=3e-3)
     assert roles["other/total"] == pytest.approx(other, abs=1e-3)
 
 
@@ -148,8 +150,8 @@ def test_a_checkpoint_converts_to_tp2_and_continues(tiny_data, tmp_path):
 def test_bf16_layer_norm_sums_its_parameter_gradients_in_fp32():
     # models.transformer.LayerNorm at bf16 on the CPU: computed in float32, so the weight and
     # bias gradients (sums over the 1024 tokens) are the float64 sums of the same BF16 inputs
-    # rounded once to BF16 (2**-8 relative per element, BF16's unit roundoff; float32's own summing error is ~1e-7).
-    # torch's BF16 kernel on the CPU sums in BF16: ~3% off here.
+    # rounded once to BF16 (2**-8 relative, BF16's unit roundoff; float32's own summing error
+    # is ~1e-7). torch's BF16 kernel on the CPU sums in BF16: ~3% off here.
     from models.transformer import LayerNorm
 
     gen = torch.Generator().manual_seed(5)

@@ -119,10 +119,11 @@ def test_low_bit_levels_bytes_per_linear_param(tiny_data, tmp_path, level, linea
     )
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     roles = rec["bytes-per-param-by-role"]
-    # Measured from the live tensors: weight + FP8 grad + master + Adam moments, plus 4-byte
-    # per-tensor scales (O3: weight, master and both moments, 16 bytes per weight tensor over
-    # its 4096-16384 elements: 0.0013 bytes per parameter here).
-    assert roles["linear/total"] == pytest.approx(linear_bytes, abs=2e-3)
+    # Measured from the live tensors: weight + FP8 grad + master + Adam moments, plus the
+    # per-tensor scales (O3: 4 bytes each for the weight, master and both moments, and 8 for
+    # the gradient slot's scale and amax: 24 bytes per weight tensor of 4096-16384 elements,
+    # 0.002 bytes per parameter here).
+    assert roles["linear/total"] == pytest.approx(linear_bytes, abs=3e-3)
     assert roles["other/total"] == pytest.approx(16.0, abs=1e-3)  # FP32 embeddings/norms/biases
 
 

@@ -2,7 +2,8 @@
 
 Counted per rank: weights, gradients (``.grad``, the FP32 ``main_grad`` at bf16 or the FP8
 gradient slot at O1-O3), master weights and optimizer states. A scaled weight's scales (one
-per tensor, or one per 128x128 block for O3 at block granularity) count with the weight. The
+per tensor, or one per 128x128 block for O3 at block granularity) count with the weight, an
+FP8 gradient slot's scales and amaxes (per tensor, row or block) with the gradient. The
 linear (GEMM) weights are reported apart from the rest (embeddings, norms, biases) because the
 precision table governs only them; ``all`` is the whole model.
 """
@@ -12,11 +13,19 @@ from __future__ import annotations
 import torch
 
 from fp8train.linear import Linear
+from fp8train.low_precision import Fp8GradSlot
 from fp8train.param_state import grad_slot, scale_inv_of
 
 __all__ = ["ROLES", "model_state_bytes"]
 
 ROLES = ("weights", "grads", "master", "optimizer")
+
+
+def _scale_bytes(grad) -> int:
+    """An FP8 gradient slot's scales and amaxes (one each per tensor, row or block)."""
+    if not isinstance(grad, Fp8GradSlot):
+        return 0
+    return grad.scale_inv.nbytes + grad.amax.nbytes
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, dict[str, float]]:
@@ -35,7 +44,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, dict[str, 
         master, states = optimizer.param_state_bytes(index)
         row = {
             "weights": p.nbytes + (0 if scale_inv_of(p) is None else scale_inv_of(p).nbytes),
-            "grads": 0 if grad is None else grad.nbytes,
+            "grads": 0 if grad is None else grad.nbytes + _scale_bytes(grad),
             "master": master,
             "optimizer": states,
             "n": p.numel(),
