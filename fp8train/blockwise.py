@@ -120,7 +120,10 @@ def scaled_value(
     single value) or one per ``block`` of a 2-D ``data`` (``scale_inv`` its grid)."""
     if block is None:
         return data.float() * scale_inv
-    return data.float() * per_element(scale_inv.float(), block, tuple(data.shape))
+    # Tiles broadcast against their scales: no per-element scale tensor is built.
+    tiles = _tiled(data.float(), block) * scale_inv.float()[:, None, :, None]
+    r, c = data.shape
+    return tiles.reshape(tiles.shape[0] * tiles.shape[1], -1)[:r, :c].contiguous()
 
 
 def _tiled(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
