@@ -42,3 +42,26 @@ def test_bench_levels_level_specs():
             "precision.fp8_grad_format=e4m3",
         ],
     )
+
+
+def test_bench_levels_seeds_table_pairs_within_a_seed():
+    # Each level is compared with the reference of its own seed (same split, same initial
+    # weights); the row gives the mean and range of those paired differences over the seeds.
+    from tools.bench_levels import seeds_table
+
+    def row(level, valid, acc, final=1.0):
+        return {"level": level, "final": final, "valid": valid, "valid_second": acc,
+                "step_s": 0.5, "first": 2.0, "bpp": 16.0}  # fmt: skip
+
+    runs = {
+        1: [row("bf16", 0.10, 0.97), row("te", 0.11, 0.96)],
+        2: [row("bf16", 0.20, 0.95), row("te", 0.19, 0.955)],
+    }
+    lines = seeds_table(runs, "bf16", "accuracy").splitlines()
+    assert lines[0].count("|") == lines[1].count("|") == 9
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    # +10% on seed 1, -5% on seed 2; -1 point and +0.5 points.
+    assert cells == ["te", "2", "1.0000", "0.1500", "+2.50% [-5.00, +10.00]", "0.9575",
+                     "-0.25 [-1.00, +0.50]", "0.500"]  # fmt: skip
+    ref = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert ref[4] == "+0.00% [+0.00, +0.00]"

@@ -5,11 +5,18 @@
     .venv/bin/python tools/bench_levels.py --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
     .venv/bin/python tools/bench_levels.py --levels bf16 te te@row te@block  # fp8_granularity
     .venv/bin/python tools/bench_levels.py --levels bf16 O2 O2@block+e4m3  # E4M3 gradients too
+    .venv/bin/python tools/bench_levels.py --model vit ... --seeds 1234 1 2  # paired across seeds
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
 measured in one sitting. Prints a markdown table; ``--write`` also puts it into the benchmarks
 document between markers, with the date and the command.
+
+``--seeds`` runs every level once per seed (``training.seed``, which also draws ViT's
+train/validation split) into ``--out``/seed<S>/<level> and prints one row per level: the mean
+over seeds, and each level's difference to the reference paired within a seed (same split, same
+initial weights), as the mean and the range over seeds. On a small validation set one seed's
+difference is mostly that seed's luck; the range says how much.
 """
 
 from __future__ import annotations
@@ -142,6 +149,49 @@ def table(rows: list[dict], reference: str, second: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None = None) -> str:
+    """One row per level over the seeds of ``runs`` (seed -> that seed's rows, as ``run_level``
+    returns them): mean final training and validation loss, the validation loss against the
+    same seed's reference as mean and [min, max] in percent, and with ``second`` its mean and
+    paired difference in points likewise."""
+    seeds = sorted(runs)
+    levels = [r["level"] for r in runs[seeds[0]]]
+    by = {s: {r["level"]: r for r in runs[s]} for s in seeds}
+    extra = second is not None and by[seeds[0]][reference].get("valid_second") is not None
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def paired(level, value):
+        return [value(by[s][level], by[s][reference]) for s in seeds]
+
+    head = (
+        f"| level | seeds | mean final train loss | mean final valid loss "
+        f"| valid vs {reference}: mean [min, max] |"
+    )
+    if extra:
+        head += f" mean final valid {second} | vs {reference} (points): mean [min, max] |"
+    head += " s/step (mean) |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for lv in levels:
+        rows = [by[s][lv] for s in seeds]
+        rel = paired(lv, lambda r, ref: (r["valid"] - ref["valid"]) / ref["valid"] * 100)
+        line = (
+            f"| {lv} | {len(seeds)} | {mean([r['final'] for r in rows]):.4f} | "
+            f"{mean([r['valid'] for r in rows]):.4f} | "
+            f"{mean(rel):+.2f}% [{min(rel):+.2f}, {max(rel):+.2f}] |"
+        )
+        if extra:
+            pts = paired(lv, lambda r, ref: (r["valid_second"] - ref["valid_second"]) * 100)
+            line += (
+                f" {mean([r['valid_second'] for r in rows]):.4f} | "
+                f"{mean(pts):+.2f} [{min(pts):+.2f}, {max(pts):+.2f}] |"
+            )
+        line += f" {mean([r['step_s'] for r in rows]):.3f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Training-loss curves of every level on one set of axes, saved as a PNG."""
     import matplotlib
@@ -185,25 +235,38 @@ def main() -> None:
         action="store_true",
         help="reuse a level's finished run in --out instead of training again",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="run every level at each training.seed and report means and paired differences",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
-    rows = [
-        run_level(
-            lv,
-            args.iters,
-            args.nproc,
-            args.config,
-            REPO / args.out,
-            args.overrides,
-            args.reuse,
-            args.model,
-        )  # fmt: skip
-        for lv in args.levels
-    ]
-    result = table(rows, args.reference, _metrics(args.model)[1])
+    second = _metrics(args.model)[1]
+
+    def rows_of(out: Path, extra: list[str]) -> list[dict]:
+        return [
+            run_level(
+                lv, args.iters, args.nproc, args.config, out, extra, args.reuse, args.model
+            )  # fmt: skip
+            for lv in args.levels
+        ]
+
+    if args.seeds:
+        runs = {
+            s: rows_of(REPO / args.out / f"seed{s}", [*args.overrides, f"training.seed={s}"])
+            for s in args.seeds
+        }
+        rows = runs[args.seeds[0]]  # the curves plotted: the first seed's
+        result = seeds_table(runs, args.reference, second)
+    else:
+        rows = rows_of(REPO / args.out, args.overrides)
+        result = table(rows, args.reference, second)
     print(result)
     if args.plot:
-        plot(rows, REPO / args.plot, f"{args.config}, {args.iters} iterations, {args.nproc} ranks")
+        title = f"{args.config}, {args.iters} iterations, {args.nproc} ranks"
+        plot(rows, REPO / args.plot, title + (f", seed {args.seeds[0]}" if args.seeds else ""))
     if args.write:
         command = " ".join(["python tools/bench_levels.py", *sys.argv[1:]])
         body = (
