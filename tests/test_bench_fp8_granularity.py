@@ -65,3 +65,23 @@ def test_bench_levels_seeds_table_pairs_within_a_seed():
                      "-0.25 [-1.00, +0.50]", "0.500"]  # fmt: skip
     ref = [c.strip() for c in lines[2].strip("|").split("|")]
     assert ref[4] == "+0.00% [+0.00, +0.00]"
+
+
+def test_bench_levels_table_times_each_granularity_against_its_twin():
+    from tools.bench_levels import table
+
+    def row(level, step_s, bpp=16.0):
+        return {"level": level, "first": 2.0, "final": 1.0, "valid": 1.0, "step_s": step_s,
+                "bpp": bpp}  # fmt: skip
+
+    rows = [row("bf16", 0.5), row("O2", 1.0), row("O2@block", 1.5, 8.015625), row("te@row", 2.0)]
+    lines = table(rows, "bf16").splitlines()
+    assert "time vs per-tensor twin" in lines[0]
+    cells = {
+        ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]
+    }
+    assert cells["O2@block"][-2:] == ["1.50x", "8.016"]
+    assert cells["te@row"][-2] == ""  # no per-tensor te in the table
+    assert cells["O2"][-3:] == ["2.00x", "", "16.000"]
+    # Without row/block levels the table keeps its columns.
+    assert "twin" not in table(rows[:2], "bf16")

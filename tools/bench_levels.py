@@ -132,7 +132,17 @@ def table(rows: list[dict], reference: str, second: str | None = None) -> str:
     )
     if extra:
         head += f" final valid {second} | vs {reference} (points) |"
-    head += f" s/step | time vs {reference} | model-state bytes/param |"
+    head += f" s/step | time vs {reference} |"
+    # A level at row/block scales is also timed against its per-tensor twin in the same table
+    # ("O2@block" against "O2"): the cost of the finer scales alone.
+    by_level = {r["level"]: r for r in rows}
+    twins = {
+        r["level"]: by_level.get(r["level"].partition("@")[0]) for r in rows if "@" in r["level"]
+    }
+    twin_column = any(twins.values())
+    if twin_column:
+        head += " time vs per-tensor twin |"
+    head += " model-state bytes/param |"
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         rel = (r["valid"] - ref["valid"]) / ref["valid"] * 100
@@ -144,7 +154,12 @@ def table(rows: list[dict], reference: str, second: str | None = None) -> str:
         if extra:
             points = (r["valid_second"] - ref["valid_second"]) * 100
             line += f" {r['valid_second']:.4f} | {points:+.2f} |"
-        line += f" {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x | {r['bpp']:.1f} |"
+        line += f" {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x |"
+        if twin_column:
+            twin = twins.get(r["level"])
+            line += f" {r['step_s'] / twin['step_s']:.2f}x |" if twin else " |"
+        # Three decimals: the scales of row/block levels add hundredths or less.
+        line += f" {r['bpp']:.3f} |"
         lines.append(line)
     return "\n".join(lines)
 
