@@ -180,6 +180,12 @@ def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None 
     def paired(level, value):
         return [value(by[s][level], by[s][reference]) for s in seeds]
 
+    def signed(x):  # +0.00 for a mean that rounds to zero from below, not -0.00
+        return f"{round(x, 2) + 0.0:+.2f}"
+
+    def spread(xs, unit=""):
+        return f"{signed(mean(xs))}{unit} [{signed(min(xs))}, {signed(max(xs))}]"
+
     head = (
         f"| level | seeds | mean final train loss | mean final valid loss "
         f"| valid vs {reference}: mean [min, max] |"
@@ -194,14 +200,11 @@ def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None 
         line = (
             f"| {lv} | {len(seeds)} | {mean([r['final'] for r in rows]):.4f} | "
             f"{mean([r['valid'] for r in rows]):.4f} | "
-            f"{mean(rel):+.2f}% [{min(rel):+.2f}, {max(rel):+.2f}] |"
+            f"{spread(rel, '%')} |"
         )
         if extra:
             pts = paired(lv, lambda r, ref: (r["valid_second"] - ref["valid_second"]) * 100)
-            line += (
-                f" {mean([r['valid_second'] for r in rows]):.4f} | "
-                f"{mean(pts):+.2f} [{min(pts):+.2f}, {max(pts):+.2f}] |"
-            )
+            line += f" {mean([r['valid_second'] for r in rows]):.4f} | {spread(pts)} |"
         line += f" {mean([r['step_s'] for r in rows]):.3f} |"
         lines.append(line)
     return "\n".join(lines)
