@@ -122,8 +122,7 @@ def scaled_value(
         return data.float() * scale_inv
     # Tiles broadcast against their scales: no per-element scale tensor is built.
     tiles = _tiled(data.float(), block) * scale_inv.float()[:, None, :, None]
-    r, c = data.shape
-    return tiles.reshape(tiles.shape[0] * tiles.shape[1], -1)[:r, :c].contiguous()
+    return _untiled(tiles, tuple(data.shape))
 
 
 def _tiled(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -134,6 +133,13 @@ def _tiled(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     if rb * br != r or cb * bc != c:
         x = F.pad(x, (0, cb * bc - c, 0, rb * br - r))
     return x.reshape(rb, br, cb, bc)
+
+
+def _untiled(tiles: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``_tiled``'s inverse: ``[Rb, br, Cb, bc]`` back to a contiguous 2-D ``shape``, the
+    padding of partial last blocks cut off."""
+    r, c = shape
+    return tiles.reshape(tiles.shape[0] * tiles.shape[1], -1)[:r, :c].contiguous()
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -175,9 +181,7 @@ def cast_blocks(
     # Each tile times its own scale, broadcast: the per-element products of a spread scale
     # tensor without building it.
     data = cast_to_fp8(tiles, fmt, scale[:, None, :, None])
-    r, c = x.shape
-    data = data.reshape(tiles.shape[0] * tiles.shape[1], -1)[:r, :c]
-    return data.contiguous(), scale, amax
+    return _untiled(data, tuple(x.shape)), scale, amax
 
 
 def _k_blocks(a: BlockFloat8Tensor, b: BlockFloat8Tensor) -> int:

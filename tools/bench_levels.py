@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import fmean
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -174,9 +175,6 @@ def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None 
     by = {s: {r["level"]: r for r in runs[s]} for s in seeds}
     extra = second is not None and by[seeds[0]][reference].get("valid_second") is not None
 
-    def mean(xs):
-        return sum(xs) / len(xs)
-
     def paired(level, value):
         return [value(by[s][level], by[s][reference]) for s in seeds]
 
@@ -184,7 +182,7 @@ def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None 
         return f"{round(x, 2) + 0.0:+.2f}"
 
     def spread(xs, unit=""):
-        return f"{signed(mean(xs))}{unit} [{signed(min(xs))}, {signed(max(xs))}]"
+        return f"{signed(fmean(xs))}{unit} [{signed(min(xs))}, {signed(max(xs))}]"
 
     head = (
         f"| level | seeds | mean final train loss | mean final valid loss "
@@ -198,14 +196,14 @@ def seeds_table(runs: dict[int, list[dict]], reference: str, second: str | None 
         rows = [by[s][lv] for s in seeds]
         rel = paired(lv, lambda r, ref: (r["valid"] - ref["valid"]) / ref["valid"] * 100)
         line = (
-            f"| {lv} | {len(seeds)} | {mean([r['final'] for r in rows]):.4f} | "
-            f"{mean([r['valid'] for r in rows]):.4f} | "
+            f"| {lv} | {len(seeds)} | {fmean([r['final'] for r in rows]):.4f} | "
+            f"{fmean([r['valid'] for r in rows]):.4f} | "
             f"{spread(rel, '%')} |"
         )
         if extra:
             pts = paired(lv, lambda r, ref: (r["valid_second"] - ref["valid_second"]) * 100)
-            line += f" {mean([r['valid_second'] for r in rows]):.4f} | {spread(pts)} |"
-        line += f" {mean([r['step_s'] for r in rows]):.3f} |"
+            line += f" {fmean([r['valid_second'] for r in rows]):.4f} | {spread(pts)} |"
+        line += f" {fmean([r['step_s'] for r in rows]):.3f} |"
         lines.append(line)
     return "\n".join(lines)
 
