@@ -1,7 +1,11 @@
 """Dynamic loss scaling for the FP16 levels (Megatron's DynamicGradScaler semantics).
 
-The scale is a tensor so that checking for overflow, backing off and growing never needs a
-host sync beyond the one ``found_inf`` the caller already pays to decide whether to skip a step.
+The scale, the growth tracker and the hysteresis tracker are device tensors, updated in place by
+tensor operations from a device ``found_inf``: scaling the loss, unscaling the gradients and
+backing off or growing never read a value on the host, so they add no synchronisation to a step
+(and keep their storage, as a CUDA graph needs). ``loss_scale`` (a float, for the log) and
+``state_dict`` (Python numbers, as checkpoints have always stored them) do read the device: call
+them on logging and saving steps only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ class ConstantLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
-    def update(self, found_inf: bool) -> None:
+    @property
+    def inv_scale(self) -> None:
+        """Nothing to undo: the gradients are left untouched (not even multiplied by 1)."""
+        return None
+
+    def update(self, found_inf: torch.Tensor | bool) -> None:
         del found_inf
 
     @property
@@ -38,6 +47,10 @@ class DynamicLossScaler:
 
     Hysteresis: an overflow only halves the scale once ``hysteresis`` overflows have been seen
     since the last growth/backoff, so one spike does not throw away a good scale (Megatron).
+    Unlike Megatron, the scale never grows past ``max_scale``.
+
+    The state lives on ``device`` (default CPU) and follows the loss's device at the first
+    ``scale``: a scaler built before the run knows its device needs no move of its own.
     """
 
     def __init__(
@@ -49,6 +62,7 @@ class DynamicLossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 1000,
         hysteresis: int = 2,
+        device: torch.device | str | None = None,
     ):
         if not (min_scale <= initial_scale <= max_scale):
             raise ValueError(
@@ -62,38 +76,72 @@ class DynamicLossScaler:
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.hysteresis = int(hysteresis)
-        self._scale = float(initial_scale)
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
+        # FP32, as Megatron keeps it: the loss (FP32) is multiplied by exactly this value.
+        self._scale = torch.tensor(float(initial_scale), dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int64, device=device)
+        self._hysteresis_tracker = torch.full((), self.hysteresis, dtype=torch.int64, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._scale.device
+
+    def to(self, device: torch.device | str) -> DynamicLossScaler:
+        """Move the state to ``device`` (a copy only when it is elsewhere); returns self."""
+        self._scale = self._scale.to(device)
+        self._growth_tracker = self._growth_tracker.to(device)
+        self._hysteresis_tracker = self._hysteresis_tracker.to(device)
+        return self
 
     @property
     def loss_scale(self) -> float:
-        return self._scale
+        """The scale as a float: a host read, for logging steps only."""
+        return float(self._scale)
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` on the device, rounded as Megatron does it (in FP64, then to FP32):
+        the same FP32 value as the host's ``1.0 / scale`` that multiplied FP32 gradients."""
+        return torch.reciprocal(self._scale.double()).float()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self._scale
+        if loss.device != self._scale.device:
+            self.to(loss.device)
+        if loss.dtype == torch.float32:
+            return loss * self._scale
+        # A 0-dim FP32 scale would promote a lower-precision 0-dim loss to FP32, where a Python
+        # scale keeps its dtype: the product is taken in FP32 (as a Python scale's is, in
+        # opmath) and rounded back, so an FP16 loss does not see 2**16 rounded to FP16 (inf).
+        return (loss.float() * self._scale).to(loss.dtype)
 
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = min(self._scale * self.growth_factor, self.max_scale)
+    def update(self, found_inf: torch.Tensor | bool) -> None:
+        """One step's update. ``found_inf``: a (device) bool tensor, or a bool. Pass the device
+        tensor in a training step: a bool has to be copied to the device, which on CUDA makes
+        the host wait (a pageable copy)."""
+        inf = torch.as_tensor(found_inf, device=self._scale.device).to(torch.bool)
+        # Megatron's branches as selections: every value is computed, the flags pick.
+        growth = torch.where(inf, 0, self._growth_tracker + 1)
+        hysteresis = self._hysteresis_tracker - inf.long()
+        back_off = inf & (hysteresis <= 0)
+        grow = ~inf & (growth == self.growth_interval)
+        lower = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+        higher = torch.clamp(self._scale * self.growth_factor, max=self.max_scale)
+        # ``grow`` needs a clean step, ``back_off`` an overflow: never both.
+        scale = torch.where(back_off, lower, torch.where(grow, higher, self._scale))
+        # In place: the tensors keep their storage (what a CUDA graph captured stays valid).
+        self._scale.copy_(scale)
+        self._growth_tracker.copy_(torch.where(grow, 0, growth))
+        self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis))
 
     def state_dict(self) -> dict:
+        """Python numbers (a host read), as checkpoints have always stored them (JSON)."""
         return {
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
+            "scale": float(self._scale),
+            "growth_tracker": int(self._growth_tracker),
+            "hysteresis_tracker": int(self._hysteresis_tracker),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
-        self._hysteresis_tracker = int(state["hysteresis_tracker"])
+        """Numbers or tensors (Megatron stores its scale as one), filled in place."""
+        self._scale.fill_(float(state["scale"]))
+        self._growth_tracker.fill_(int(state["growth_tracker"]))
+        self._hysteresis_tracker.fill_(int(state["hysteresis_tracker"]))
