@@ -131,6 +131,7 @@ class _Run:
             num_workers=state.family.loader_workers(cfg),
         )  # fmt: skip
         self.interval_loss, self.interval_steps = {}, 0
+        self.unread: list[torch.Tensor] = []  # the steps' device losses not read yet
         self.interval_start = time.perf_counter()
         self.last, self.start_time = {}, time.time()
         self.first_iteration, self.run_start = self.iteration, time.perf_counter()  # for ETA
@@ -182,11 +183,23 @@ class _Run:
         self.counters["skipped"] += int(stats.skipped)
         self.consecutive = self.consecutive + 1 if stats.skipped else 0
         check_skips(state, self.consecutive, self.iteration, stats)
-        self.counters["nan"] += int(not math.isfinite(stats.loss))
-        for name, value in stats.losses.items():
-            self.interval_loss[name] = self.interval_loss.get(name, 0.0) + value
+        self.unread.append(stats.means)  # read with the others when they are logged or saved
         self.interval_steps += 1
         return stats
+
+    def _read_losses(self) -> None:
+        """Fold the steps' losses, kept on the device since they ran, into the interval's sums
+        and the NaN counter: one host read for all of them, made where the log or a checkpoint
+        needs them (a read per step would make the host wait for the device every step). The
+        sums are the same Python float additions, in the same order, as reading every step."""
+        if not self.unread:
+            return
+        rows = torch.stack(self.unread).tolist()
+        self.unread = []
+        for row in rows:
+            self.counters["nan"] += int(not math.isfinite(row[0]))  # the headline metric
+            for name, value in zip(self.state.metrics, row):
+                self.interval_loss[name] = self.interval_loss.get(name, 0.0) + value
 
     def log_if_due(self, stats: StepStats) -> None:
         """The interval's line (with an evaluation when one is due)."""
@@ -198,6 +211,7 @@ class _Run:
             iteration % self.cfg.logging.interval == 0 or iteration == t.train_iters or eval_due
         ):
             return
+        self._read_losses()  # first: the read waits for the interval's last step to finish
         elapsed = (time.perf_counter() - self.interval_start) / self.interval_steps
         valid = evaluate(self.state, self.n_micro) if eval_due else None
         losses = {k: v / self.interval_steps for k, v in self.interval_loss.items()}
@@ -218,6 +232,7 @@ class _Run:
         self.saver.poll()  # publishes a background save once every rank has written it
         every = self.cfg.checkpoint.save_interval
         if every and iteration % every == 0 or iteration == t.train_iters or stop:
+            self._read_losses()  # the checkpoint's NaN counter counts every step
             self.saver.save(iteration, *checkpoint_files(self.state, self.consumed, self.counters))
             if stop or iteration == t.train_iters:
                 self.saver.finish()  # the run's last checkpoint is published before it ends

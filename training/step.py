@@ -4,6 +4,7 @@ statistics; the mean validation value of each metric."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -46,21 +47,22 @@ def _sync_shared_embedding(state: RunState) -> None:
         )
 
 
-def _per_metric(state: RunState, reduced: torch.Tensor, clamp: bool = False) -> dict[str, float]:
-    """``{metric: sum / count}`` from the ``[sum, count, ...]`` totals of the family."""
-    out = {}
-    for i, name in enumerate(state.metrics):
-        count = reduced[2 * i + 1].clamp(min=1) if clamp else reduced[2 * i + 1]
-        out[name] = float(reduced[2 * i] / count)
-    return out
+def _means(reduced: torch.Tensor, clamp: bool = False) -> torch.Tensor:
+    """Each metric's ``sum / count`` (on the device) from the family's ``[sum, count, ...]``."""
+    sums, counts = reduced[0::2], reduced[1::2]
+    return sums / (counts.clamp(min=1) if clamp else counts)
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one optimizer step reports."""
+    """What one optimizer step reports.
 
-    loss: float  # the family's headline metric (its first), this step's mean
-    losses: dict[str, float]  # every metric of the family, this step's mean
+    The step's losses stay on the device (``means``): ``losses`` and ``loss`` read them on
+    first use, a host sync that the loop makes on logging steps only (training/loop.py).
+    """
+
+    metrics: tuple[str, ...]  # the family's metric names, its headline first
+    means: torch.Tensor  # each metric's mean this step, in ``metrics`` order, on the device
     grad_norm: float  # before clipping; not finite on a skipped step
     skipped: bool  # a non-finite norm: no update, the loss scale backs off
     nonfinite: str | None  # then: the first non-finite gradient, "name (rank r)"
@@ -69,6 +71,16 @@ class StepStats:
     fp8_logged: bool  # FP8 cast health was measured (``health``)
     wire: float | None  # bytes per element of the FP8 gradient collectives (None: none)
     wire_all: float  # bytes per element of every gradient collective together
+
+    @functools.cached_property
+    def losses(self) -> dict[str, float]:
+        """Every metric of the family, this step's mean (a host read, made once)."""
+        return dict(zip(self.metrics, self.means.tolist()))
+
+    @property
+    def loss(self) -> float:
+        """The family's headline metric (its first), this step's mean (a host read)."""
+        return self.losses[self.metrics[0]]
 
 
 def train_step(
@@ -99,8 +111,9 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
     opt.buffers.finish(before_held=lambda: _sync_shared_embedding(state))
     grads, slots = opt.grads(), opt.grad_slots()
     fp8_elements, all_elements = opt.grad_elements()
-    if scaler.loss_scale != 1.0:
-        unscale = 1.0 / scaler.loss_scale
+    unscale = scaler.inv_scale  # on the device (None: the loss was not scaled)
+    if unscale is not None:
+        # Also at a scale of 1 (x * 1 is x exactly), so that no host read decides it.
         if grads:
             torch._foreach_mul_(grads, unscale)
         for slot in slots:
@@ -119,6 +132,9 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
         dp_group=opt.norm_group,
         device=state.device,
     )
+    # The step's one host read of its own: whether to skip. torch's and LowBitAdamW's steps
+    # (moments, step counters on the host) cannot yet be applied under a device-side mask
+    # and leave a skipped step untouched; the norm for the log comes with the same read.
     norm = float(grad_norm)
     finite = math.isfinite(norm)
     nonfinite = None
@@ -130,10 +146,11 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
     if state.bytes_per_param is None and finite:
         # Measured once, after the step (optimizer states exist) while gradients are alive.
         state.bytes_per_param = model_state_bytes(state.model, opt)
-    scaler.update(found_inf=not finite)
+    # Decided on the device, from the norm (a host bool would be copied up: a sync on CUDA).
+    scaler.update(found_inf=torch.logical_not(torch.isfinite(grad_norm)))
     state.scheduler.step(1)
     opt.zero_grad()
-    losses = _per_metric(state, _sum_over_replicas(loss_and_tokens, state))
+    means = _means(_sum_over_replicas(loss_and_tokens, state))  # read by the log, not here
     # Wire bytes per gradient element: of the FP8 weight-gradient collectives alone when there
     # are any (the "1 byte per element" claim at W=2), and of every gradient collective
     # together (neither the pipeline's activation sends nor the weights' all-gather are
@@ -143,8 +160,8 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
         v for k, v in comm.items() if not k.startswith(("pipeline_", "all_gather_params"))
     )
     return StepStats(
-        loss=losses[state.metrics[0]],
-        losses=losses,
+        metrics=tuple(state.metrics),
+        means=means,
         grad_norm=norm,
         skipped=not finite,
         nonfinite=nonfinite,
@@ -207,4 +224,5 @@ def evaluate(state: RunState, n_micro: int) -> dict[str, float]:
             break
     totals = forward_only(state, batches)
     state.model.train()
-    return _per_metric(state, _sum_over_replicas(totals, state), clamp=True)
+    means = _means(_sum_over_replicas(totals, state), clamp=True)
+    return dict(zip(state.metrics, means.tolist()))
