@@ -8,6 +8,12 @@
   asserts exit 0.
 - ``launch``: the entry point as W plain processes with torchrun's environment, so each rank's
   own exit code and output are seen (torchrun would add its own traceback).
+- Multi-rank tests run on CPU with gloo wherever they run, a CUDA machine included: W ranks
+  of one test cannot share one GPU under nccl, and a forked rank cannot use CUDA at all once
+  the test process has (every rank of ``run_ranks`` calls ``force_cpu`` first; ``torchrun``
+  and ``launch`` hide the GPUs from more than one rank). A test that compares its ranks with
+  a run in its own process makes that run on the CPU too (``force_cpu`` under pytest's
+  ``monkeypatch``), so like is compared with like.
 - ``full_tensors`` with ``grad_value`` / ``weight_value``: a model's gradients or weights under
   the single-process names, tensor-parallel shards gathered, FP8/FP16 storage dequantized.
 - ``end_worker``: how a spawned test worker ends: a barrier, then the process exits at once,
@@ -35,6 +41,7 @@ __all__ = [
     "TORCHRUN",
     "RunsByWorld",
     "end_worker",
+    "force_cpu",
     "free_port",
     "full_tensors",
     "tensor_parallel_errors",
@@ -115,10 +122,38 @@ def _import_before_fork() -> None:
         import_megatron(f"megatron.core.{name}")
 
 
+def _no_cuda() -> bool:
+    return False
+
+
+def force_cpu(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """The project's device choice says CPU (so gloo) in this process, CUDA or not: every
+    device decision goes through ``fp8train.device.is_cuda`` (the one module that asks
+    torch.cuda). ``monkeypatch``: for the rest of the calling test only (a test's own
+    process); without it for good (a rank, which ends with its test).
+
+    Patched rather than hidden by ``CUDA_VISIBLE_DEVICES``: a forked rank inherits the
+    parent's device count, which torch reads once per process and caches, so hiding the GPUs
+    after the fork changes nothing (the variable is still set for what a rank starts)."""
+    from fp8train import device
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(device, "is_cuda", _no_cuda)
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    device.is_cuda = _no_cuda
+
+
+def _cpu_rank(rank: int, fn, *args) -> None:
+    force_cpu()
+    fn(rank, *args)
+
+
 def run_ranks(
     fn, world: int, args: tuple = (), *, timeout: float = 400, start_method: str = "spawn"
 ) -> None:
-    """``fn(rank, world, port, *args)`` in ``world`` processes; returns when all succeeded.
+    """``fn(rank, world, port, *args)`` in ``world`` processes on the CPU (``force_cpu``);
+    returns when all succeeded.
 
     ``start_method``: "spawn" (a fresh interpreter per rank) or "fork" (no re-import: seconds
     faster per rank; the parent must not have started threads or a process group).
@@ -126,8 +161,8 @@ def run_ranks(
     if start_method == "fork":
         _import_before_fork()
     context = mp.start_processes(
-        fn,
-        args=(world, free_port(), *args),
+        _cpu_rank,
+        args=(fn, world, free_port(), *args),
         nprocs=world,
         join=False,
         start_method=start_method,
@@ -162,11 +197,16 @@ def pretrain_ranks(world: int, jobs: list[tuple[str, list[str]]], timeout: float
     run_ranks(_pretrain_worker, world, (jobs,), timeout=timeout, start_method="fork")
 
 
+def _hidden_gpus(world: int) -> dict[str, str]:
+    """The environment that keeps a fresh interpreter of a multi-rank run on the CPU."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if world > 1 else {}
+
+
 def torchrun(
     nproc: int, args: list[str], timeout: float = 300, *, entry: str = "pretrain_gpt.py"
 ) -> subprocess.CompletedProcess:
     """``{entry} *args`` on ``nproc`` ranks under torchrun; asserts it exits 0."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **_hidden_gpus(nproc))
     cmd = TORCHRUN + ["--nproc_per_node", str(nproc), entry, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -184,6 +224,7 @@ def launch(
         env = dict(
             os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            **_hidden_gpus(world),
         )  # fmt: skip
         cmd = [sys.executable, entry, *args]
         procs.append(
