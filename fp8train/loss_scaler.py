@@ -28,6 +28,10 @@ class ConstantLossScaler:
         """Nothing to undo: the gradients are left untouched (not even multiplied by 1)."""
         return None
 
+    def to(self, device: torch.device | str) -> ConstantLossScaler:
+        del device
+        return self
+
     def update(self, found_inf: torch.Tensor | bool) -> None:
         del found_inf
 
@@ -86,7 +90,9 @@ class DynamicLossScaler:
         return self._scale.device
 
     def to(self, device: torch.device | str) -> DynamicLossScaler:
-        """Move the state to ``device`` (a copy only when it is elsewhere); returns self."""
+        """Move the state to ``device`` (nothing to do when it is there); returns self."""
+        if self._scale.device == torch.device(device):
+            return self
         self._scale = self._scale.to(device)
         self._growth_tracker = self._growth_tracker.to(device)
         self._hysteresis_tracker = self._hysteresis_tracker.to(device)

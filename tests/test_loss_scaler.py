@@ -149,3 +149,6 @@ def test_state_follows_the_loss_device():
     assert s.device == torch.device("meta")
     s.update(found_inf=torch.zeros((), dtype=torch.bool, device="meta"))
     assert s.inv_scale.device == torch.device("meta")
+    scale = s._scale
+    assert s.to("meta") is s and s._scale is scale  # there already: the same storage
+    assert ConstantLossScaler().to("meta").inv_scale is None

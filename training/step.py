@@ -93,6 +93,9 @@ def train_step(
     averaged over replicas, unscaled) and before clipping; tests read them there.
     """
     batches = [_to_device(next(data_iter), state.device) for _ in range(n_micro)]
+    # The scaler's state on the run's device (a no-op once there): a pipeline stage without
+    # the head never scales a loss, yet unscales and updates, which must not read the host.
+    state.scaler.to(state.device)
     state.meter.reset_step()
     state.optimizer.buffers.start_step(n_micro)  # buckets reduce as backward fills them
     loss_and_tokens = forward_backward(state, batches, health=health)
