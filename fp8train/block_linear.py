@@ -77,11 +77,20 @@ class BlockFp8LinearFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` with the three GEMMs on row- or block-scaled FP8 operands. x is 2-D
     [M, K]; W [N, K] in FP32 or BF16, FP16 with ``w_scale_inv`` (one value), or FP8 E4M3
     with ``w_scale_inv`` the grid of its 128x128 blocks; b [N] or None;
-    ``grad_slot``: the weight's FP8 gradient slot (O1/O2) or None."""
+    ``wgrad_sink``: the sink of the weight's FP8 gradient slot (O1-O3) or None."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, scaling: ScalingRecipe, health, w_scale_inv, grad_slot, input_comm
+        ctx,
+        x,
+        weight,
+        bias,
+        wgrad_sink,
+        scaling: ScalingRecipe,
+        health,
+        w_scale_inv,
+        input_comm,
+        backend="emulated",
     ):
         if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
             w = None
@@ -97,7 +106,7 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             x8 = BlockFloat8Tensor(
                 input_comm.gather(x8.data), input_comm.gather_rows(x8.scale_inv), E4M3, x8.block
             )
-        y = fp8_gemm(x8, w8, out_dtype=torch.float32)
+        y = fp8_gemm(x8, w8, out_dtype=torch.float32, backend=backend)
         if bias is not None:
             y = y + bias.float()
         if health is not None and w is not None:  # a stored FP8 weight is not cast here
@@ -108,7 +117,8 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         wt8 = w8.t() if scaling.granularity == "block" else _cast(w.t(), scaling, E4M3, True)
         ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
         ctx.blocks = xt8.block, wt8.block
-        ctx.scaling, ctx.health, ctx.grad_slot = scaling, health, grad_slot
+        ctx.scaling, ctx.health, ctx.backend = scaling, health, backend
+        ctx.sink = wgrad_sink is not None
         ctx.input_comm = input_comm
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
@@ -119,7 +129,8 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         xt8 = BlockFloat8Tensor(xt_data, xt_sinv, E4M3, ctx.blocks[0])
         wt8 = BlockFloat8Tensor(wt_data, wt_sinv, E4M3, ctx.blocks[1])
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b, need_sink = ctx.needs_input_grad[:4]
+        need_w = need_sink if ctx.sink else need_w
         fmt = FORMATS[ctx.scaling.grad_format.upper()]
         g = g.detach()
         dx = dw = db = None
@@ -127,18 +138,17 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             g8 = _cast(g, ctx.scaling, fmt, weight=False)  # along N
             if ctx.health is not None:
                 block_health(ctx.health, "grad_output", g, g8)
-            dx = fp8_gemm(g8, wt8, out_dtype=x_dtype)  # [M,N]·[K,N]ᵀ
+            dx = fp8_gemm(g8, wt8, out_dtype=x_dtype, backend=ctx.backend)  # [M,N]·[K,N]ᵀ
             if ctx.input_comm is not None:
                 dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
         if need_w:
             gt8 = _cast(g.t(), ctx.scaling, fmt, weight=False)  # along M
             if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
                 block_health(ctx.health, "grad_output", g.t(), gt8)
-            slot = ctx.grad_slot
-            dw = fp8_gemm(gt8, xt8, out_dtype=torch.float32 if slot else w_dtype)  # [N,M]·[K,M]ᵀ
-            if slot is not None:  # O1/O2: into the FP8 gradient slot; autograd gets none
-                slot.accumulate(dw)
-                dw = None
+            out = torch.float32 if ctx.sink else w_dtype
+            dw = fp8_gemm(gt8, xt8, out_dtype=out, backend=ctx.backend)  # [N,M]·[K,M]ᵀ
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None
+        # O1-O3: the FP32 weight gradient goes to the FP8 slot's sink, the weight gets none.
+        dw, dsink = (None, dw) if ctx.sink else (dw, None)
+        return dx, dw, db, dsink, None, None, None, None, None

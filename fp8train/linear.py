@@ -35,9 +35,9 @@ from torch import nn
 from .block_linear import BlockFp8LinearFunction
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
-from .gemm import fp8_gemm
+from .gemm import fp8_gemm, select_gemm_backend
 from .low_precision import Fp8GradSlot, ScaledTensor
-from .param_state import grad_slot, set_grad_slot, set_scale_inv
+from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
 from .scaling import ScalingRecipe, ScalingState
 from .tensor import Float8Tensor
@@ -161,14 +161,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         x,
         weight,
         bias,
+        wgrad_sink,
         x_state,
         w_state,
         g_state,
         update,
         w_scale_inv,
-        grad_slot,
         health,
         input_comm=None,
+        backend="emulated",
     ):
         # input_comm (sequence parallelism): x is this rank's rows; they are cast with a scale
         # agreed over the group, the FP8 bytes all-gathered (1 byte per element on the wire),
@@ -182,11 +183,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
             w_hp = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
             w8 = _forward_quantize(w_hp, w_state, update, health, "weight")
-        y = fp8_gemm(x8, w8, out_dtype=torch.float32)
+        y = fp8_gemm(x8, w8, out_dtype=torch.float32, backend=backend)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
-        ctx.g_state, ctx.update, ctx.grad_slot, ctx.health = g_state, update, grad_slot, health
+        ctx.g_state, ctx.update, ctx.health = g_state, update, health
+        ctx.backend, ctx.sink = backend, wgrad_sink is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_comm = input_comm
         return y.to(x.dtype)
@@ -196,25 +198,24 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
         x8, w8 = Float8Tensor(x_data, x_sinv, E4M3), Float8Tensor(w_data, w_sinv, E4M3)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b, need_sink = ctx.needs_input_grad[:4]
+        need_w = need_sink if ctx.sink else need_w
         dx = dw = db = None
         if need_x or need_w:
             g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output")
             if need_x:
-                dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype)  # [M,N]·[N,K]
+                dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype, backend=ctx.backend)  # [M,N]·[N,K]
                 if ctx.input_comm is not None:
                     dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
             if need_w:
-                slot = ctx.grad_slot
-                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=torch.float32 if slot else w_dtype)
-                if slot is not None:
-                    # FP8 weight-gradient levels: accumulate into the FP8 main-grad slot and hand
-                    # autograd nothing, so no high-precision .grad ever exists for this weight.
-                    slot.accumulate(dw)
-                    dw = None
+                out = torch.float32 if ctx.sink else w_dtype
+                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=out, backend=ctx.backend)
         if need_b:
             db = g.float().sum(0).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        # FP8 weight-gradient levels: the FP32 weight gradient goes to the slot's sink (its
+        # hook accumulates it into the FP8 slot), the weight itself gets none from autograd.
+        dw, dsink = (None, dw) if ctx.sink else (dw, None)
+        return dx, dw, db, dsink, None, None, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -250,6 +251,11 @@ class Linear(nn.Module):
         # Cast health (underflow/saturation fractions) is measured only while track_health is
         # set, e.g. for one micro-batch of a logging step: it costs a pass over each tensor.
         self.track_health = False
+        # The FP8 GEMM backend, decided when the weight lands on its device (here, and again
+        # in _apply when it moves to another kind of device), never per call: the forward
+        # reads a string, so a compiled step holds no lookup of a global or the environment.
+        self.gemm_backend: str | None = None
+        self._backend_device: str | None = None
         self.health: dict[str, torch.Tensor] = {}
         if self.fp8:
             self.fp8_input = ScalingState(E4M3, self.scaling, device)
@@ -257,6 +263,7 @@ class Linear(nn.Module):
             grad_fmt = E4M3 if self.scaling.grad_format == "e4m3" else E5M2
             self.fp8_grad_output = ScalingState(grad_fmt, self.scaling, device)
         self.reset_parameters()
+        self._bind_gemm_backend()
 
     @property
     def lowered(self) -> bool:
@@ -315,7 +322,24 @@ class Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._link_weight_attributes()  # .to(device) replaces buffers: re-point the attribute
+        self._bind_gemm_backend()
         return out
+
+    def _bind_gemm_backend(self) -> None:
+        """``gemm_backend`` for the weight's device type (``gemm.select_gemm_backend``: the
+        process's pinned choice, or the per-machine race). A weight on meta stands for a GPU
+        in a plan (training/planner.py): scaled_mm."""
+        kind = self.weight.device.type
+        if not self.fp8 or kind == self._backend_device:
+            return
+        self.gemm_backend = "scaled_mm" if kind == "meta" else select_gemm_backend(kind)
+        self._backend_device = kind
+
+    def _wgrad_sink(self) -> torch.Tensor | None:
+        """The sink of the weight's FP8 gradient slot (O1-O3), where backward hands the FP32
+        weight gradient (``Fp8GradSlot.sink``); None where autograd fills ``weight.grad``."""
+        slot = fp8_grad_slot(self.weight) if self.lowered else None
+        return None if slot is None else slot.sink
 
     def reset_parameters(self) -> None:
         # Same calls in the same order as nn.Linear, so a seed gives the same weights.
@@ -349,14 +373,15 @@ class Linear(nn.Module):
             x.reshape(-1, self.in_features),
             self.weight,
             self.bias,
+            self._wgrad_sink(),
             self.fp8_input,
             self.fp8_weight,
             self.fp8_grad_output,
             self.training,
             getattr(self, "weight_scale_inv", None),
-            grad_slot(self.weight) if self.lowered else None,
             self.health if self.track_health else None,
             input_comm,
+            self.gemm_backend,
         )
         return y.reshape(*lead, self.out_features)
 
@@ -371,11 +396,12 @@ class Linear(nn.Module):
             x.reshape(-1, self.in_features),
             self.weight,
             self.bias,
+            self._wgrad_sink(),
             self.scaling,
             self.health if self.track_health else None,
             getattr(self, "weight_scale_inv", None),
-            grad_slot(self.weight) if self.lowered else None,
             input_comm,
+            self.gemm_backend,
         )
         return y.reshape(*lead, self.out_features)
 

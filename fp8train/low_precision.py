@@ -117,6 +117,26 @@ class Fp8GradSlot:
         self.amax = torch.zeros(grid, device=device)
         self.has_data = False  # host flag, set by code paths alone: never read from the device
         self.on_accumulate = None
+        # Made here, outside any compiled region (a leaf cannot be created inside one).
+        self._sink = torch.empty_strided(tuple(shape), (0,) * len(shape), device=device)
+        self._sink.requires_grad_()
+        self._sink.register_post_accumulate_grad_hook(self._take_grad)
+
+    @property
+    def sink(self) -> torch.Tensor:
+        """Where an FP8 linear's backward hands its FP32 weight gradient: a leaf of the
+        weight's shape that owns no memory (every stride 0), whose hook accumulates the
+        gradient into this slot as autograd delivers it, and drops it.
+
+        Why not accumulate inside the linear's backward: that is a side effect on Python
+        state (``has_data``, ``on_accumulate``) in the middle of the graph, which
+        ``torch.compile`` cannot trace. Handed to autograd like any gradient, the compiled
+        backward only returns it; the hook runs after, in the autograd engine, eagerly."""
+        return self._sink
+
+    def _take_grad(self, sink: torch.Tensor) -> None:
+        grad, sink.grad = sink.grad, None
+        self.accumulate(grad)
 
     def bind(self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> None:
         """Move the storage into the given views (same shape/dtype; scale and amax of the

@@ -335,18 +335,17 @@ class _Fp32BackwardLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [
-                None if t is None else t.detach().float().requires_grad_(need)
-                for t, need in zip(saved, ctx.needs_input_grad[:3])
-            ]
-            y = F.layer_norm(inputs[0], ctx.shape, inputs[1], inputs[2], ctx.eps)
-            wanted = [t for t in inputs if t is not None and t.requires_grad]
-            found = iter(torch.autograd.grad(y, wanted, grad.float()))
-        grads = [
-            next(found).to(t.dtype) if f is not None and f.requires_grad else None
-            for t, f in zip(saved, inputs)
-        ]
+        x, weight, bias = (None if t is None else t.float() for t in saved)
+        # The float32 statistics, then the kernel autograd would run for a float32
+        # F.layer_norm: written out rather than through torch.autograd.grad, which
+        # torch.compile cannot trace inside a backward.
+        _, mean, rstd = torch.native_layer_norm(x, ctx.shape, weight, bias, ctx.eps)
+        mask = [bool(need) for need in ctx.needs_input_grad[:3]]
+        mask = [mask[0], mask[1] and weight is not None, mask[2] and bias is not None]
+        found = torch.ops.aten.native_layer_norm_backward(
+            grad.float(), x, ctx.shape, mean, rstd, weight, bias, mask
+        )
+        grads = [g.to(t.dtype) if g is not None else None for g, t in zip(found, saved)]
         return (*grads, None, None)
 
 

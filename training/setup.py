@@ -237,6 +237,15 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     saved_structure = resume.saved_structure if resume else None
     model_config = _keep_padded_vocab(model_config, saved_structure, topo.tensor)
 
+    # Before the model: each FP8 linear binds the backend when its weight lands on a device.
+    chosen = None
+    if recipe.fp8_gemm:
+        choice = (resume.gemm_backend if resume else None) or cfg.precision.fp8_gemm_backend
+        if planning and choice == "auto":
+            choice = "scaled_mm"
+        chosen = _agree_gemm_backend(choice, device)
+        gemm.set_gemm_backend(chosen)
+
     meter = CommMeter()
     model = _build_model(
         fam, cfg, model_config, layout, groups, device, recipe, meter, initialize=not planning
@@ -251,14 +260,6 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
             device=device,
             meter=meter,
         )
-
-    chosen = None
-    if recipe.fp8_gemm:
-        choice = (resume.gemm_backend if resume else None) or cfg.precision.fp8_gemm_backend
-        if planning and choice == "auto":
-            choice = "scaled_mm"
-        chosen = _agree_gemm_backend(choice, device)
-        gemm.set_gemm_backend(chosen)
 
     optimizer = build_optimizer(
         model,
