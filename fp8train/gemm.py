@@ -85,12 +85,31 @@ def call_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype: torch.dtype) -> torc
     11.2 s at 2048x256x768 where the reference took 11 ms, with equal results (2026-11-27)."""
     if mat1.device.type != "cpu":
         return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return _reference_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype)
+
+
+# An operator of its own, opaque to torch.compile: switching oneDNN off and on again is host
+# state that dynamo cannot trace (each call would break the graph), and inside the operator
+# the compiled step runs the very kernel the eager one does.
+@torch.library.custom_op("fp8train::reference_scaled_mm", mutates_args=())
+def _reference_scaled_mm(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
         return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+@_reference_scaled_mm.register_fake
+def _(mat1, mat2, scale_a, scale_b, out_dtype):
+    return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=out_dtype)
 
 
 def scaled_mm_available(device: torch.device | str) -> bool:
