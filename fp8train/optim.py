@@ -30,15 +30,22 @@ step tensors, amaxes and scales stay tensors, and the only host flags read are
 ``Fp8GradSlot.has_data`` and the group's Python hyperparameters. Work is batched with
 ``torch._foreach_*`` per param group and device. The bias corrections use float64 (not
 supported on MPS); CPU and CUDA are the targets.
+
+Two backends, chosen once at construction (``fused``): the ``_foreach_*`` step above, the
+reference (the CPU's default), and a compiled step per tensor (fused_adam.py, the default for
+CUDA parameters) that reads and writes each tensor's stored bytes in a few kernels, with the
+same arithmetic (on the CPU the same bits). Block-scaled FP8 weights always take the reference.
 """
 
 from __future__ import annotations
 
+import warnings
 from itertools import chain
 
 import torch
 
 from . import device as devices
+from . import fused_adam
 from .blockwise import quantize_blocks
 from .formats import E4M3
 from .low_precision import FP16_MAX
@@ -66,7 +73,7 @@ def _check_dtypes(m_dtype: torch.dtype, v_dtype: torch.dtype) -> None:
 
 
 def _bias_corrections(steps: list[torch.Tensor], lr, beta1: float, beta2: float):
-    """``-lr / (1 - b1**t)`` (a float64 vector) and ``sqrt(1 - b2**t)`` (fp32 0-d tensors).
+    """``-lr / (1 - b1**t)`` (a float64 vector) and ``sqrt(1 - b2**t)`` (an fp32 vector).
 
     torch's AdamW computes these in Python doubles from ``step.item()`` (a sync); float64 on
     the device gives the same doubles, and both are rounded to fp32 where the kernels use them.
@@ -74,7 +81,15 @@ def _bias_corrections(steps: list[torch.Tensor], lr, beta1: float, beta2: float)
     t = torch.stack(steps).double()
     neg_step_size = -(lr / (1 - beta1**t))
     bc2_sqrt = (1 - beta2**t).sqrt().float()
-    return neg_step_size, list(bc2_sqrt.unbind())
+    return neg_step_size, bc2_sqrt
+
+
+def _default_fused(params) -> bool:
+    """The fused step where it pays: every parameter on a CUDA device. The CPU keeps the
+    reference (compiling costs seconds there and it is the path the tests hold exact), and so
+    do a plan's meta or fake tensors."""
+    devs = {p.device.type for group in params for p in group["params"]}
+    return devs == {"cuda"}
 
 
 def _add_update_(weights, exp_avgs, denom, neg_step_size: torch.Tensor, packed: bool) -> None:
@@ -129,6 +144,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         chunk_elements: int = 1 << 26,
+        fused: bool | None = None,
     ):
         if not 0.0 <= eps:
             raise ValueError(f"eps={eps}: must be >= 0")
@@ -146,6 +162,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.packed_update: bool | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.fused = _default_fused(self.param_groups) if fused is None else bool(fused)
 
     def add_param_group(self, param_group: dict) -> None:
         _check_dtypes(
@@ -177,10 +194,44 @@ class LowBitAdamW(torch.optim.Optimizer):
                     state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
                 by_device.setdefault(p.device, []).append((p, kind, state))
             for items in by_device.values():
+                if self.fused:
+                    items = self._fused_update(group, items)  # returns those it left
                 for chunk in _chunks(items, self.chunk_elements):
                     # FP32 gradients chunk by chunk too: an FP8 slot's is a new tensor.
                     self._update(group, [(p, k, grad_of(p), s) for p, k, s in chunk])
         return loss
+
+    def _fused_update(self, group: dict, items: list) -> list:
+        """The compiled step for each tensor that allows it (fused_adam.fusable); returns the
+        items left to the reference path. The step counters and bias corrections are formed
+        for the group at once, exactly as ``_update`` forms them."""
+        fused = [item for item in items if fused_adam.fusable(item[0], item[2])]
+        if not fused:
+            return items
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        steps = [s["step"] for _, _, s in fused]
+        torch._foreach_add_(steps, 1)
+        neg_step_size, bc2_sqrt = _bias_corrections(steps, lr, beta1, beta2)
+        rows = fused_adam.coefficients(group, neg_step_size, bc2_sqrt)
+        for i, ((p, kind, state), row) in enumerate(zip(fused, rows)):
+            try:
+                fused_adam.fused_update_(p, kind, state, row)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # noqa: BLE001  (a compiler failure: fall back, loudly)
+                self.fused = False
+                warnings.warn(
+                    f"LowBitAdamW: fused step disabled ({type(err).__name__}: "
+                    f"{str(err)[:200]}); using the reference step",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                # A compile error comes before any write: these have not stepped yet.
+                torch._foreach_sub_(steps[i:], 1)
+                fused = fused[:i]
+                break
+        done = {id(p) for p, _, _ in fused}
+        return [item for item in items if id(item[0]) not in done]
 
     def _update(self, group: dict, items: list) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -200,6 +251,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         neg_step_size, bc2_sqrt = _bias_corrections(steps, lr, beta1, beta2)
+        bc2_sqrt = list(bc2_sqrt.unbind())
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
