@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from . import device as _device
 from .blockwise import BlockFloat8Tensor, block_gemm
@@ -110,6 +111,12 @@ def _reference_scaled_mm(
 @_reference_scaled_mm.register_fake
 def _(mat1, mat2, scale_a, scale_b, out_dtype):
     return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=out_dtype)
+
+
+@register_flop_formula(torch.ops.fp8train.reference_scaled_mm)
+def _(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # torch.utils.flop_counter's count for aten._scaled_mm: FLOP counts see the same GEMM.
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
 def scaled_mm_available(device: torch.device | str) -> bool:
@@ -325,11 +332,14 @@ def select_gemm_backend(device: torch.device | str, choice: str | None = "auto")
     FP8TRAIN_GEMM_BACKEND; "auto" races the backends (``race_gemm_backends``; scaled_mm must
     win by 10%) once per machine: the pick is stored by ``fp8train.machine_cache`` and the
     processes that start together measure once between them. Asking for "scaled_mm" where it
-    cannot run is an error, not a silent fallback.
+    cannot run is an error, not a silent fallback. On meta (a plan of a GPU run) "auto" is
+    scaled_mm.
     """
     device = torch.device(device)
     if choice in (None, "auto"):
         choice = _forced or os.environ.get(ENV_VAR) or "auto"
+    if device.type == "meta":  # a plan (training/planner.py) stands for a GPU run
+        return "scaled_mm" if choice == "auto" else _check_name(choice)
     if choice != "auto":
         if _check_name(choice) == "scaled_mm" and not scaled_mm_available(device):
             raise RuntimeError(f"FP8 GEMM backend scaled_mm does not run on {device}")

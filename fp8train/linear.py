@@ -36,6 +36,7 @@ from .block_linear import BlockFp8LinearFunction
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
 from .gemm import fp8_gemm, select_gemm_backend
+from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
@@ -145,7 +146,7 @@ def _forward_quantize(
 
 
 def _record_health(
-    health: dict, role: str, x: torch.Tensor, q: Float8Tensor, scale: torch.Tensor
+    health: HealthRecord, role: str, x: torch.Tensor, q: Float8Tensor, scale: torch.Tensor
 ) -> None:
     """``formats.cast_health`` of one per-tensor cast, under ``<role>_underflow`` and
     ``<role>_saturated``."""
@@ -256,8 +257,9 @@ class Linear(nn.Module):
         # reads a string, so a compiled step holds no lookup of a global or the environment.
         self.gemm_backend: str | None = None
         self._backend_device: str | None = None
-        self.health: dict[str, torch.Tensor] = {}
+        self.health: HealthRecord | None = None
         if self.fp8:
+            self.health = HealthRecord(health_keys(ROLES, self.scaling.granularity), device)
             self.fp8_input = ScalingState(E4M3, self.scaling, device)
             self.fp8_weight = ScalingState(E4M3, self.scaling, device)
             grad_fmt = E4M3 if self.scaling.grad_format == "e4m3" else E5M2
@@ -323,16 +325,17 @@ class Linear(nn.Module):
         out = super()._apply(fn, recurse)
         self._link_weight_attributes()  # .to(device) replaces buffers: re-point the attribute
         self._bind_gemm_backend()
+        if self.health is not None and self.health.values.device != self.weight.device:
+            self.health = self.health.to(self.weight.device)
         return out
 
     def _bind_gemm_backend(self) -> None:
         """``gemm_backend`` for the weight's device type (``gemm.select_gemm_backend``: the
-        process's pinned choice, or the per-machine race). A weight on meta stands for a GPU
-        in a plan (training/planner.py): scaled_mm."""
+        process's pinned choice, or the per-machine race; on meta, what a plan assumes)."""
         kind = self.weight.device.type
         if not self.fp8 or kind == self._backend_device:
             return
-        self.gemm_backend = "scaled_mm" if kind == "meta" else select_gemm_backend(kind)
+        self.gemm_backend = select_gemm_backend(kind)
         self._backend_device = kind
 
     def _wgrad_sink(self) -> torch.Tensor | None:
@@ -423,9 +426,9 @@ class Linear(nn.Module):
             states = {}
         tensors = [t for s in states.values() for t in (s.amax_history[0], s.scale)]
         keys = [f"{role}_{what}" for role in states for what in ("amax", "scale")]
-        keys += list(self.health)  # underflow/saturation fractions of the last tracked pass
-        tensors += [t.float() for t in self.health.values()]
-        return dict(zip(keys, torch.stack(tensors).tolist())) if tensors else {}
+        flat = self.health.flat()  # what the tracked passes recorded
+        host = torch.cat([torch.stack(tensors), flat] if tensors else [flat]).tolist()
+        return {**dict(zip(keys, host)), **self.health.pick(host[len(tensors) :])}
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, "

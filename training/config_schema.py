@@ -72,6 +72,13 @@ class TrainingConfig(_Section):
     time_limit_minutes: float | None = _f(
         None, "Stop (after saving) once this much wall time has passed.", gt=0
     )
+    compile: bool | None = _f(
+        None,
+        "Compile each transformer layer with torch.compile (fullgraph=True without tensor "
+        "parallelism; see docs/ARCHITECTURE.md, \"Compiled step\"): null = on for CUDA, off "
+        "on the CPU, whose eager step is the exact reference and where compiling costs "
+        "tens of seconds.",
+    )
     max_consecutive_skips: int = _f(
         100,
         "Stop with an error after this many consecutive skipped steps (non-finite gradients); "

@@ -25,6 +25,7 @@ from parallel.comm_meter import CommMeter
 from parallel.pipeline import PipelineEngine, PipelineLayout
 from parallel.tensor_parallel.random import model_parallel_seed
 from parallel.topology import ProcessGroups, init_distributed
+from training.compile import compile_enabled, compile_layers
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
 from training.plan import RunPlan, plan_parallel
@@ -250,6 +251,8 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     model = _build_model(
         fam, cfg, model_config, layout, groups, device, recipe, meter, initialize=not planning
     )
+    if not planning and compile_enabled(cfg.training.compile, device):
+        compile_layers(model, tensor_parallel=groups.tensor is not None)
     engine = None
     if layout.is_split:
         engine = PipelineEngine(
