@@ -8,8 +8,10 @@ GPT-1.3B against 29 ms for torch's fused AdamW. Here one function, compiled with
 plain weight), its moments (FP8 m, FP16 v, each with its scale, or FP32) and writes them all
 back; at O3 it also writes the FP8 weight. Inductor makes that a few kernels: the per-tensor
 scales of the re-quantised values depend on their amaxes, so one reduction precedes the casts
-(and, at O3, one more over the stored master before the FP8 weight), but no FP32 copy of a
-tensor lives outside the kernels.
+(and, at O3, one more over the stored master before the FP8 weight). Between the two it may
+keep the new FP32 values of the one tensor (on the CPU it does: 12 bytes per element of w, m
+and v, freed when the call returns), which bounds the transient memory by the largest tensor,
+as the reference's ``chunk_elements`` bounds its chunks.
 
 The arithmetic is the reference's, op for op (optim.py's docstring): the same dequantisation,
 the same AdamW update on FP32 values, the same saturating casts with the same scales

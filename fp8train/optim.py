@@ -43,6 +43,7 @@ import warnings
 from itertools import chain
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import device as devices
 from . import fused_adam
@@ -183,6 +184,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Compiled code does not run under a dispatch mode (an accounting of the step, as in
+        # training/step_account.py, or a plan's fake tensors): such a step takes the reference.
+        fused = self.fused and not is_in_torch_dispatch_mode(include_infra_modes=False)
         for group in self.param_groups:
             by_device: dict[torch.device, list] = {}
             for p in group["params"]:
@@ -194,7 +198,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                     state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
                 by_device.setdefault(p.device, []).append((p, kind, state))
             for items in by_device.values():
-                if self.fused:
+                if fused and self.fused:  # (a compile failure turns self.fused off)
                     items = self._fused_update(group, items)  # returns those it left
                 for chunk in _chunks(items, self.chunk_elements):
                     # FP32 gradients chunk by chunk too: an FP8 slot's is a new tensor.

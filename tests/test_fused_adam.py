@@ -233,6 +233,18 @@ def test_block_scaled_o3_weight_keeps_the_reference_path(compiled):
     lowbit.assert_same_bits(ref, ref_opt, ours, opt)
 
 
+def test_a_step_under_a_dispatch_mode_takes_the_reference(compiled):
+    # Dynamo refuses to run under a (non-infra) dispatch mode, such as an accounting of the
+    # step: that step takes the reference, which never reads a value on the host, and the
+    # fused path stays on for the next.
+    ref, ours = mixed_params(), mixed_params()
+    ref_opt, opt = _optimizer(ref, fused=False), _optimizer(ours, fused=True)
+    with lowbit._CountHostSyncs() as counter:
+        _run([(ref, ref_opt), (ours, opt)], torch.Generator().manual_seed(1), 2)
+    assert counter.count == 0 and opt.fused
+    lowbit.assert_same_bits(ref, ref_opt, ours, opt)
+
+
 def test_a_compile_failure_falls_back_to_the_reference(monkeypatch):
     def broken(*args):
         raise RuntimeError("no compiler")
