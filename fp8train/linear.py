@@ -31,6 +31,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .block_linear import BlockFp8LinearFunction
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
@@ -43,7 +44,12 @@ from .precision import PrecisionRecipe
 from .scaling import ScalingRecipe, ScalingState
 from .tensor import Float8Tensor
 
-__all__ = ["Fp8LinearFunction", "Linear", "recompute_scale_contexts"]
+__all__ = [
+    "Fp8LinearFunction",
+    "Linear",
+    "compiled_recompute_contexts",
+    "recompute_scale_contexts",
+]
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -140,9 +146,39 @@ def _forward_quantize(
     if amax_sync is not None:
         amax = amax_sync(amax)
     scale = state.scale_for(amax, update=update)
+    if torch.compiler.is_compiling():
+        scale = torch.ops.fp8train.forward_scale(scale)  # kept for a compiled recompute
     if log is not None:
         log.entries.append((state, scale))  # a fresh tensor: later updates do not touch it
     return _quantize(x, state, update, health, role, scale=scale)
+
+
+# Compiled, a checkpointed region's recompute is part of the backward graph: it would
+# compute each forward cast's scale again from the scaling buffers, which the forward has
+# updated in place by then. The scale passes through this operator, which the compiled
+# recompute's policy saves (compiled_recompute_contexts): the recompute casts with the
+# forward's scales, as the eager replay does.
+@torch.library.custom_op("fp8train::forward_scale", mutates_args=())
+def _forward_scale(scale: torch.Tensor) -> torch.Tensor:
+    return scale.clone()
+
+
+@_forward_scale.register_fake
+def _(scale):
+    return torch.empty_like(scale)
+
+
+def _save_forward_scales(ctx, op, *args, **kwargs):
+    if op is torch.ops.fp8train.forward_scale.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_recompute_contexts():
+    """``context_fn`` for ``torch.utils.checkpoint`` inside a compiled region: recompute
+    everything but the forward casts' scales (``recompute_scale_contexts`` is the eager
+    counterpart; compile takes only selective-checkpoint contexts)."""
+    return create_selective_checkpoint_contexts(_save_forward_scales)
 
 
 def _record_health(

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fp8train.linear import Linear, recompute_scale_contexts
+from fp8train.linear import Linear, compiled_recompute_contexts, recompute_scale_contexts
 from models.context import BuildContext, tp_size
 from models.kv_cache import LayerKVCache
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -147,6 +147,17 @@ def _recompute_contexts():
 def _checkpoint(fn, *args):
     # use_reentrant=False: works with inputs that need no grad and with custom autograd
     # Functions' non-tensor ctx state; preserve_rng_state: dropout redraws the same masks.
+    if torch.compiler.is_compiling():
+        # Compiled, the recompute is part of the backward graph; its policy keeps the FP8
+        # casts' forward scales (fp8train.linear.compiled_recompute_contexts). Compile takes
+        # selective-checkpoint contexts only.
+        return checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=compiled_recompute_contexts,
+        )
     return checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_recompute_contexts
     )
