@@ -8,7 +8,6 @@ accumulation never rounds to BF16) and steps FP32 master copies, then copies the
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -416,8 +415,13 @@ def clip_grad_norm(
             torch.distributed.all_reduce(total_sq, group=group)
             total_sq = total_sq[0]
     total = total_sq.sqrt()
-    if max_norm > 0 and math.isfinite(float(total)):
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if max_norm > 0:
+        # Decided on the device (no host read): a non-finite norm multiplies by exactly 1,
+        # which leaves every gradient as it was (the caller skips the step); a finite one by
+        # the same coefficient as always (x * 1 is x when the norm is below max_norm).
+        coef = torch.where(
+            torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0), 1.0
+        )
         if grads:
             torch._foreach_mul_(grads, coef)
         for slot in slots:
