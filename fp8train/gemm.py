@@ -179,7 +179,24 @@ def _rowwise_fits_scaled_mm(
     if a.data.device.type in ("cuda", "meta"):
         # cuBLASLt's row-wise scaling writes BF16 only, and wants K and N multiples of 16.
         return out_dtype == torch.bfloat16 and k % 16 == 0 and b.shape[0] % 16 == 0
-    return True
+    return _cpu_takes_rowwise()
+
+
+_cpu_rowwise: list[bool] = []  # the answer of _cpu_takes_rowwise, once known
+
+
+def _cpu_takes_rowwise() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.13 does; 2.11 takes
+    per-tensor scales only there). Tried once per process, when a backend is selected for
+    the CPU (build time): a compiled GEMM then reads a constant."""
+    if not _cpu_rowwise:
+        a = torch.zeros(16, 16).to(E4M3.dtype)
+        try:
+            call_scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), torch.float32)
+            _cpu_rowwise.append(True)
+        except (RuntimeError, NotImplementedError):
+            _cpu_rowwise.append(False)
+    return _cpu_rowwise[0]
 
 
 def fp8_gemm(
@@ -340,6 +357,8 @@ def select_gemm_backend(device: torch.device | str, choice: str | None = "auto")
         choice = _forced or os.environ.get(ENV_VAR) or "auto"
     if device.type == "meta":  # a plan (training/planner.py) stands for a GPU run
         return "scaled_mm" if choice == "auto" else _check_name(choice)
+    if device.type == "cpu":
+        _cpu_takes_rowwise()  # known before any compiled GEMM asks
     if choice != "auto":
         if _check_name(choice) == "scaled_mm" and not scaled_mm_available(device):
             raise RuntimeError(f"FP8 GEMM backend scaled_mm does not run on {device}")
