@@ -192,7 +192,8 @@ def test_training_compile_setting():
 def test_the_compiled_training_step_equals_the_eager_one(tiny_data, tmp_path, level):
     """The real step (two micro-batches, loss scaling at O2, the optimizer) with every
     transformer layer compiled (aot_eager: bitwise, see the module doc) against eager."""
-    cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(tiny_data, tmp_path, level))
+    overrides = tiny_overrides(tiny_data, tmp_path, level)
+    cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides)
     runs = [build_run(cfg), build_run(cfg)]
     dynamo.reset()
     assert compile_layers(runs[1].model, tensor_parallel=False, backend="aot_eager") == 2
