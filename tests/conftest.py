@@ -1,9 +1,12 @@
 """Shared fixtures: a small real corpus (40 stdlib files, 512-token SentencePiece model) built
-once per session, and tiny-GPT configs that train in well under a second per step on CPU."""
+once per session, and tiny-GPT configs that train in well under a second per step on CPU;
+every test module that starts ranks runs on the CPU, in its own process too
+(``_ranks_and_their_references_on_cpu``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +23,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault(
     "FP8TRAIN_CACHE_DIR", os.path.join(tempfile.mkdtemp(prefix="fp8train_cache_"))
 )
+
+
+# A call that starts ranks: a helper of tests/multiproc.py (imported at the top or inside a
+# test, as ``multiproc`` or ``tests.multiproc``) or torch's own ``start_processes``.
+_STARTS_RANKS = re.compile(
+    r"\b(run_ranks|pretrain_ranks|torchrun|launch|RunsByWorld|start_processes)\("
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_and_their_references_on_cpu(request):
+    """A test module that starts ranks runs wholly on the CPU, CUDA machine or not: its ranks
+    do (tests/multiproc.py), and so does what it runs in its own process, so that a
+    single-process reference compared with the ranks, often built by a module-scoped fixture,
+    computes on the same device with the same backend (``multiproc.force_cpu``, undone when the
+    module ends). Modules that start no ranks keep the machine's device: on a CUDA machine
+    their single-process runs exercise the CUDA paths."""
+    if not _STARTS_RANKS.search(Path(request.module.__file__).read_text()):
+        yield
+        return
+    from multiproc import force_cpu
+
+    with pytest.MonkeyPatch.context() as patch:
+        force_cpu(patch)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@
 - Multi-rank tests run on CPU with gloo wherever they run, a CUDA machine included: W ranks
   of one test cannot share one GPU under nccl, and a forked rank cannot use CUDA at all once
   the test process has (every rank of ``run_ranks`` calls ``force_cpu`` first; ``torchrun``
-  and ``launch`` hide the GPUs from more than one rank). A test that compares its ranks with
-  a run in its own process makes that run on the CPU too (``force_cpu`` under pytest's
-  ``monkeypatch``), so like is compared with like.
+  and ``launch`` hide the GPUs from more than one rank). A test module that starts ranks
+  runs on the CPU in its own process too, so that a single-process reference is compared
+  like with like: tests/conftest.py applies ``force_cpu`` to the whole module.
 - ``full_tensors`` with ``grad_value`` / ``weight_value``: a model's gradients or weights under
   the single-process names, tensor-parallel shards gathered, FP8/FP16 storage dequantized.
 - ``end_worker``: how a spawned test worker ends: a barrier, then the process exits at once,
@@ -129,8 +129,8 @@ def _no_cuda() -> bool:
 def force_cpu(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     """The project's device choice says CPU (so gloo) in this process, CUDA or not: every
     device decision goes through ``fp8train.device.is_cuda`` (the one module that asks
-    torch.cuda). ``monkeypatch``: for the rest of the calling test only (a test's own
-    process); without it for good (a rank, which ends with its test).
+    torch.cuda). ``monkeypatch``: until it is undone (tests/conftest.py: for one test
+    module, in the test process); without it for good (a rank, which ends with its test).
 
     Patched rather than hidden by ``CUDA_VISIBLE_DEVICES``: a forked rank inherits the
     parent's device count, which torch reads once per process and caches, so hiding the GPUs

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
-from multiproc import force_cpu, pretrain_ranks
+from multiproc import pretrain_ranks
 
 from fp8train.precision import get_recipe
 from tools.convert_checkpoint import main as convert_main
@@ -92,7 +92,7 @@ def test_resume_refuses_another_param_dtype_but_finetune_takes_the_weights(tiny_
     assert summary["iteration"] == 3
 
 
-def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_path, monkeypatch):
+def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_path):
     """PP=2: the stages exchange BF16 activations. The first loss is the single process's bit
     for bit (same weights, the same layers on the same shapes, the BF16 stream sent as is);
     from the first update on, the tied embedding's gradient, summed over the two stages in
@@ -100,8 +100,7 @@ def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_p
     (2**-8 relative): measured 4.3e-5 relative over 6 steps, bar 1e-3 (bf16's own TP bar is
     2e-2). (The second loss was equal too on the CPUs tried: Adam's first step is nearly
     sign(g) * lr, blind to rounding, except for gradient elements near eps in size.)
-    On the CPU wherever it runs, the single process too: the ranks run there."""
-    force_cpu(monkeypatch)
+    On the CPU wherever it runs, the single process too (tests/conftest.py)."""
     single = tmp_path / "single"
     _train(tiny_data, single, "te:bf16")
     staged = tmp_path / "pp2"
@@ -117,12 +116,11 @@ def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_p
     assert losses(staged) == pytest.approx(losses(single), rel=1e-3)
 
 
-def test_a_checkpoint_converts_to_tp2_and_continues(tiny_data, tmp_path, monkeypatch):
+def test_a_checkpoint_converts_to_tp2_and_continues(tiny_data, tmp_path):
     """FP32 masters are optimizer state like any other: a te:bf16 checkpoint written by one
     process, converted offline to TP=2 (tools/convert_checkpoint.py), resumes on 2 ranks and
     continues the single process's losses within bf16's TP bar (2e-2). On the CPU wherever it
-    runs, the single process too: the ranks run there."""
-    force_cpu(monkeypatch)
+    runs, the single process too (tests/conftest.py)."""
     straight = tmp_path / "straight"
     _train(tiny_data, straight, "te:bf16")
     first = tmp_path / "first"
