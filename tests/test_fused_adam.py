@@ -85,14 +85,20 @@ def _optimizer(ps: list, fused: bool) -> LowBitAdamW:
     return LowBitAdamW(_groups(ps), lr=1e-2, weight_decay=0.1, fused=fused, **O2)
 
 
-def _run(pairs, gen: torch.Generator, steps: int = STEPS, reference_sqrt=None) -> None:
+def _run(pairs, gen: torch.Generator, steps: int = STEPS, reference_sqrt=None, spread=0.0):
     """``steps`` steps of each (params, optimizer) pair on the same gradients, the learning
-    rate changing every step (a schedule); ``reference_sqrt`` patches the non-fused ones."""
+    rate changing every step (a schedule); ``reference_sqrt`` patches the non-fused ones.
+    ``spread``: gradient magnitudes spread over about ``e**(2 * spread)`` either way (6: 20
+    of the 124 FP8 moments of ``mixed_params`` end among E4M3's subnormals)."""
     for i in range(steps):
         grads = None
         for params, opt in pairs:
             if grads is None:
-                grads = [torch.randn(p.shape, generator=gen) for p in params]
+                grads = [
+                    torch.randn(p.shape, generator=gen)
+                    * torch.exp(spread * torch.randn(p.shape, generator=gen))
+                    for p in params
+                ]
             for p, g in zip(params, grads):
                 slot = fp8_grad_slot(p)
                 if slot is None:
@@ -141,7 +147,8 @@ def test_backend_is_decided_at_construction():
     assert LowBitAdamW([nn.Parameter(torch.ones(2, device="meta"))]).fused is False  # a plan
 
 
-def test_fused_step_is_the_reference_bit_for_bit(compiled, monkeypatch):
+@pytest.mark.parametrize("spread", [0.0, 6.0], ids=["normal_grads", "wide_grads"])
+def test_fused_step_is_the_reference_bit_for_bit(compiled, monkeypatch, spread):
     calls = []
     update = fused_adam.fused_update_
     monkeypatch.setattr(
@@ -149,9 +156,14 @@ def test_fused_step_is_the_reference_bit_for_bit(compiled, monkeypatch):
     )
     ref, ours = mixed_params(), mixed_params()
     ref_opt, opt = _optimizer(ref, fused=False), _optimizer(ours, fused=True)
-    _run([(ref, ref_opt), (ours, opt)], torch.Generator().manual_seed(1), reference_sqrt=exact_sqrt)
+    gen = torch.Generator().manual_seed(1)
+    _run([(ref, ref_opt), (ours, opt)], gen, reference_sqrt=exact_sqrt, spread=spread)
     assert set(calls) == {id(p) for p in ours}  # every kind took the fused step
     lowbit.assert_same_bits(ref, ref_opt, ours, opt)
+    if spread:  # the case is what it says: subnormal E4M3 moments were stored
+        low = [opt.state[p]["exp_avg"] for p in ours if "exp_avg_scale_inv" in opt.state[p]]
+        m = torch.cat([x.float().abs().flatten() for x in low])
+        assert ((m > 0) & (m < 2.0**-6)).sum() >= 10
     assert all(opt.state[p]["step"] == STEPS for p in ours)
 
 
