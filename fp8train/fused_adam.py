@@ -20,10 +20,11 @@ the same AdamW update on FP32 values, the same saturating casts with the same sc
 traced graph must do so too, or ~10% of the moments differ by an fp32 ulp:
 
 - on CUDA, inductor lowers ``addcmul`` with a unit value to one ``fma`` (as eager CUDA rounds);
-- inductor's C++ has no ``fma``, so on the CPU the product and sum are formed in float64 and
-  rounded once to fp32. The product of two fp32 values is exact in float64; the sum rounds
-  twice (to float64, then fp32), which differs from one rounding only when the float64 sum
-  lands exactly halfway between two fp32 values, about 2**-29 of the time.
+- inductor's C++ code emits no ``fma`` (its lowerings use one on CUDA and XPU only), so on the
+  CPU the product and sum are formed in float64 and rounded once to fp32. The product of two
+  fp32 values is exact in float64; the sum rounds twice (to float64, then fp32), which
+  differs from one rounding only when the float64 sum lands exactly halfway between two fp32
+  values, of the order of 2**-29 of the time.
 
 Everything else is correctly rounded IEEE arithmetic on both sides but one op: eager's CPU
 ``sqrt`` (the reference's ``_foreach_sqrt``) is not; it is within an ulp, off by one in about
@@ -32,7 +33,10 @@ the CPU the fused step gives the bits of the reference with a correctly rounded 
 and otherwise differs from it only where an ulp of the denominator moves a rounding: the
 moments never (they do not read it), an FP32 weight by an ulp now and then (4 elements of
 4002 after 20 steps, measured), a stored FP16 or FP8 value more rarely still (none in 1.8
-million element-steps); tests/test_fused_adam.py holds both.
+million element-steps); tests/test_fused_adam.py holds both. The CUDA code (Triton) has not
+been compared with the eager CUDA reference yet: no GPU was lent to the session that wrote
+this. Do that before trusting its bits (the test file runs on a CUDA machine as it is, on the
+CPU).
 
 Bias corrections stay with the caller: LowBitAdamW increments the step counters and forms
 ``-lr / (1 - b1**t)`` and ``sqrt(1 - b2**t)`` for a whole param group in float64 as the
@@ -64,14 +68,13 @@ from .scaling import compute_scale
 
 __all__ = ["coefficients", "fusable", "fused_update_", "compiled_steps"]
 
-# The layout of ``coefficients``' rows (the compiled function unbinds them in this order).
-_COEFFS = ("decay", "lerp_weight", "beta2", "one_minus_beta2", "eps", "neg_step_size", "bc2")
-
 
 def coefficients(
     group: dict, neg_step_size: torch.Tensor, bc2_sqrt: torch.Tensor
 ) -> list[torch.Tensor]:
-    """One fp32 row of hyperparameters per tensor of a param group, in ``_COEFFS`` order.
+    """One fp32 row of hyperparameters per tensor of a param group: ``1 - lr*wd``, ``1 - b1``,
+    ``b2``, ``1 - b2``, ``eps``, ``-lr / (1 - b1**t)``, ``sqrt(1 - b2**t)`` (the order in which
+    ``_adamw_step_`` unbinds them).
 
     ``neg_step_size`` (float64) and ``bc2_sqrt`` (fp32) are the group's bias-corrected vectors,
     one entry per tensor. Every value is the fp32 rounding of the double the reference passes
