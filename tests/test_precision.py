@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp8train.precision import LEVELS, get_recipe
+from fp8train.precision import LEVELS, get_recipe, resolve_param_dtype
 
 # level: (GEMM, grad comm, weight, master, weight grad, Adam m, Adam v) from README.md.
 TABLE = {
@@ -35,3 +35,42 @@ def test_runtime_flags():
 def test_unknown_level_lists_the_known_ones():
     with pytest.raises(ValueError, match="fp32, bf16, fp16, te, O1, O2, O3"):
         get_recipe("fp9")
+
+
+# precision.param_dtype=auto per level: (on the CPU, on CUDA). CUDA runs the FP8 levels on
+# BF16 parameters and activations, as Transformer Engine does; the CPU keeps the table's FP32.
+AUTO = {
+    "fp32": ("fp32", "fp32"),
+    "bf16": ("bf16", "bf16"),
+    "fp16": ("fp32", "fp32"),
+    "te": ("fp32", "bf16"),
+    "O1": ("fp32", "bf16"),
+    "O2": ("fp32", "bf16"),
+    "O3": ("fp32", "bf16"),
+}
+
+
+@pytest.mark.parametrize("level", list(AUTO))
+def test_auto_param_dtype_resolves_by_device(level):
+    """The resolver's answers (a CUDA run is only named here: nothing runs on it). Every
+    answer is a value that combines with the level, and the CPU's is the table's own row."""
+    cpu, cuda = AUTO[level]
+    assert resolve_param_dtype(level, "auto", "cpu") == cpu
+    assert resolve_param_dtype(level, "auto", "cuda") == cuda
+    assert resolve_param_dtype(level, "auto", "meta") == cpu  # only CUDA changes the answer
+    assert get_recipe(level, cpu) == get_recipe(level)
+    assert get_recipe(level, cuda).other_params == cuda
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_explicit_param_dtype_stays_on_every_device(device_type):
+    assert resolve_param_dtype("te", "fp32", device_type) == "fp32"
+    assert resolve_param_dtype("O2", "bf16", device_type) == "bf16"
+    assert resolve_param_dtype("bf16", "bf16", device_type) == "bf16"
+    for level, dtype in (("bf16", "fp32"), ("fp16", "bf16")):  # combinations that do not exist
+        with pytest.raises(ValueError, match=f"precision.param_dtype={dtype} does not combine"):
+            resolve_param_dtype(level, dtype, device_type)
+    with pytest.raises(ValueError, match="precision.param_dtype='fp16': choose one of"):
+        resolve_param_dtype("te", "fp16", device_type)
+    with pytest.raises(ValueError, match="precision.level='fp9'"):
+        resolve_param_dtype("fp9", "auto", device_type)
