@@ -11,6 +11,8 @@ the recipes, the one-line errors, the model-state bytes, the resume rule, and a 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from fp8train.precision import get_recipe
 from tools.convert_checkpoint import main as convert_main
 from training.config import ConfigError, load_config
 from training.loop import pretrain
+from training.plan import ResumePlan
+from training.resume_check import resumed_param_dtype, saved_param_dtype
 
 CONFIG = str(REPO / "configs/gpt_tiny.yaml")
 
@@ -81,15 +85,78 @@ def test_model_state_bytes(tiny_data, tmp_path, level, linear, other):
     assert roles["other/total"] == pytest.approx(other, abs=1e-3)
 
 
-def test_resume_refuses_another_param_dtype_but_finetune_takes_the_weights(tiny_data, tmp_path):
+def _saved_param_dtype(run_dir):
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((run_dir / "checkpoints" / latest / "metadata.json").read_text())
+    return meta["config"]["precision"]["param_dtype"]
+
+
+def test_resume_refuses_another_param_dtype_but_finetune_takes_the_weights(
+    tiny_data, tmp_path, capsys
+):
+    """The checkpoint records what "auto" resolved to (FP32 on the CPU at te) and the
+    start-up line says it; a value set otherwise is one line naming the key and what to set."""
     _train(tiny_data, tmp_path / "a", "te", **{"training.train_iters": 3})
-    with pytest.raises(ConfigError, match="precision.param_dtype=bf16 but checkpoint .* has auto"):
+    assert "| param_dtype=fp32 (auto on cpu) |" in capsys.readouterr().out
+    assert _saved_param_dtype(tmp_path / "a") == "fp32"
+    with pytest.raises(ConfigError) as err:
         _train(tiny_data, tmp_path / "b", "te:bf16",
                **{"checkpoint.load": str(tmp_path / "a" / "checkpoints")})  # fmt: skip
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        "config: precision.param_dtype=bf16 but checkpoint "
+    )
+    assert "trained with fp32 parameters: set precision.param_dtype=fp32 (or auto" in message
+    assert "checkpoint.finetune=true" in message
     summary = _train(tiny_data, tmp_path / "c", "te:bf16",
                      **{"checkpoint.load": str(tmp_path / "a" / "checkpoints"),
                         "checkpoint.finetune": "true", "training.train_iters": 3})  # fmt: skip
     assert summary["iteration"] == 3
+    assert "| param_dtype=bf16 (set) |" in capsys.readouterr().out
+
+
+def test_the_param_dtype_a_checkpoint_fixes():
+    """What a checkpoint was trained with: its recorded value; "auto" or no key (checkpoints
+    from before "auto" depended on the device) the level's own. Only a run that continues it
+    at its level with "auto" takes it over."""
+
+    def meta(level, **precision):
+        return {"config": {"precision": {"level": level, **precision}}}
+
+    assert saved_param_dtype(meta("te")) == "fp32"
+    assert saved_param_dtype(meta("te", param_dtype="auto")) == "fp32"
+    assert saved_param_dtype(meta("bf16")) == "bf16"
+    assert saved_param_dtype(meta("O2", param_dtype="bf16")) == "bf16"
+    assert saved_param_dtype(meta("O2", param_dtype="fp32")) == "fp32"
+    resume = ResumePlan(Path("iter_0000003"), False, meta("te", param_dtype="bf16"))
+    te = load_config(CONFIG, ["precision.level=te"])
+    assert resumed_param_dtype(te, resume) == "bf16"
+    assert resumed_param_dtype(te, None) is None
+    assert resumed_param_dtype(te, replace(resume, weights_only=True)) is None  # a fine-tune
+    for other in (["precision.level=O2"], ["precision.level=te", "precision.param_dtype=fp32"]):
+        assert resumed_param_dtype(load_config(CONFIG, other), resume) is None
+
+
+def test_auto_resumes_a_bf16_checkpoint_as_it_trained(tiny_data, tmp_path, capsys):
+    """A te checkpoint of BF16 parameters, what a CUDA run with "auto" writes (recorded as
+    bf16), resumed with "auto" on the CPU, whose own "auto" is FP32: the run continues as it
+    trained, the same losses as straight through, and says so at start-up."""
+    straight = tmp_path / "straight"
+    _train(tiny_data, straight, "te:bf16")
+    resumed = tmp_path / "resumed"
+    _train(tiny_data, resumed, "te:bf16", **{"training.exit_interval": 3})
+    assert _saved_param_dtype(resumed) == "bf16"
+    capsys.readouterr()
+    _train(tiny_data, resumed, "te")  # precision.param_dtype=auto, from iter_0000003
+    assert "| param_dtype=bf16 (auto: as its checkpoint trained) |" in capsys.readouterr().out
+    assert _saved_param_dtype(resumed) == "bf16"
+
+    def losses(run_dir):
+        return [
+            json.loads(x)["lm loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    assert losses(resumed) == losses(straight)
 
 
 def test_pipeline_sends_the_bf16_stream_and_matches_one_process(tiny_data, tmp_path):

@@ -149,8 +149,12 @@ def checkpoint_files(state: RunState, consumed: int, counters: dict) -> tuple[di
     """``(files, metadata)`` of a checkpoint now: the files THIS rank writes (file name ->
     (tensors, layouts); the live tensors, not copies) and the metadata."""
     topo, model, opt = state.groups.topology, state.model, state.optimizer
+    config = config_to_dict(state.cfg)
+    # What the run resolved, never "auto" (whose meaning depends on the device): a resume, a
+    # conversion and every other reader of the saved config build what was trained.
+    config["precision"]["param_dtype"] = state.recipe.other_params
     meta = {
-        "config": config_to_dict(state.cfg),
+        "config": config,
         "family": state.family.name,
         "model_structure": state.family.checkpoint_structure(state.model_config, state.data),
         "consumed_samples": consumed,

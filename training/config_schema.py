@@ -157,9 +157,12 @@ class PrecisionConfig(_Section):
     param_dtype: Literal["auto", "fp32", "bf16"] = _f(
         "auto",
         "Parameters the level keeps in higher precision (embeddings, norms, biases; te's "
-        "linear weights), and so the activations between the GEMMs: auto = the level's own "
-        "(BF16 at bf16, else FP32); bf16 at te and O1-O3 = BF16 with FP32 masters, as "
-        "Transformer Engine runs FP8 (BF16 attention and elementwise work: faster on GPUs).",
+        "linear weights), and so the activations between the GEMMs. bf16 at te and O1-O3 = "
+        "BF16 with FP32 masters, as Transformer Engine and FP8-LM run FP8 (BF16 attention and "
+        "elementwise work: faster on GPUs); fp32 = the table's FP32 (not at level bf16). "
+        "auto = bf16 on CUDA at te and O1-O3, else the level's own (FP32 on the CPU, the "
+        "exact reference; BF16 at level bf16); a resumed run keeps what its checkpoint "
+        "recorded. The start-up line says which was chosen.",
     )
     fp8_recipe: Literal["delayed", "current"] = _f(
         "delayed", "FP8 scaling: delayed (amax history) or current (per-tensor amax now)."

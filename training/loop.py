@@ -145,7 +145,8 @@ class _Run:
         self.announce(
             f"> fp8train: level {r.level} (GEMM {r.gemm}, grad comm {r.grad_comm}, weight "
             f"{r.weight}, master {r.master_weight or '-'}, weight grad {r.weight_grad}, Adam "
-            f"{r.adam_m}+{r.adam_v}) | world {topo.world_size} (tp {topo.tensor} pp "
+            f"{r.adam_m}+{r.adam_v}) | param_dtype={r.other_params} "
+            f"({state.param_dtype_source}) | world {topo.world_size} (tp {topo.tensor} pp "
             f"{topo.pipeline} dp {topo.data}) | {n_params / 1e6:.2f}M parameters on this rank | "
             f"{self.n_micro} micro-batches/step | fp8 gemm backend {state.gemm_backend} | MFU "
             f"peak {self.peak:.3f} TFLOP/s ({peak_source})"

@@ -4,8 +4,9 @@ worker starts, training/preflight.py) and the loop (when it loads, training/loop
 A run resumes from its own ``checkpoint.dir`` first (a restarted fine-tune continues itself),
 else from ``checkpoint.load``. The checkpoint must hold this family's model (compared as built
 configs, so keys left at their defaults match explicit ones) and, unless only its weights are
-taken (``checkpoint.finetune``), this run's precision level. The parallel layout may differ:
-loading reshards (checkpoint/reshard.py).
+taken (``checkpoint.finetune``), this run's precision level and parameter dtype
+(``precision.param_dtype=auto`` resumes as the checkpoint trained, whatever the device). The
+parallel layout may differ: loading reshards (checkpoint/reshard.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ __all__ = [
     "read_resume_metadata",
     "resume_plan",
     "check_compatible",
+    "resumed_param_dtype",
+    "saved_param_dtype",
     "FREE_MODEL_FIELDS",
 ]
 
@@ -83,9 +86,10 @@ def check_compatible(
     family, cfg: Config, model_config: Any, saved: dict, path, weights_only: bool
 ) -> None:
     """A checkpoint must hold this run's model and, unless ``weights_only``, its precision
-    level; the first differing key is named. ``model_config``: this run's built model config
-    (``family.model_config``); None when it is not known yet (the pre-flight before the
-    default corpus is built): the model is then compared when the run loads."""
+    level and parameter dtype; the first differing key is named. ``model_config``: this run's
+    built model config (``family.model_config``); None when it is not known yet (the
+    pre-flight before the default corpus is built): the model is then compared when the run
+    loads."""
     if saved.get("weights_only") and not weights_only:
         raise ConfigError(
             f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
@@ -115,10 +119,38 @@ def check_compatible(
             f"{old_level}; take only its weights with checkpoint.finetune=true (the optimizer "
             "state of one level does not convert to another's)"
         )
-    old_dtype = saved_precision.get("param_dtype", "auto")  # older checkpoints: the level's
-    if get_recipe(old_level, old_dtype) != cfg.precision.recipe():
+    # "auto" resumes as the checkpoint trained (``resumed_param_dtype``); a value set must be
+    # the one it trained with.
+    asked = cfg.precision.param_dtype
+    if asked == "auto":
+        return
+    trained = saved_param_dtype(saved)
+    if get_recipe(old_level, trained) != cfg.precision.recipe():
         raise ConfigError(
-            f"config: precision.param_dtype={cfg.precision.param_dtype} but checkpoint {path} "
-            f"has {old_dtype}; take only its weights with checkpoint.finetune=true (FP32 "
-            "masters exist for BF16 parameters only)"
+            f"config: precision.param_dtype={asked} but checkpoint {path} was trained with "
+            f"{trained} parameters: set precision.param_dtype={trained} (or auto, which resumes "
+            "as the checkpoint trained), or take only its weights with checkpoint.finetune=true "
+            "(FP32 masters exist for BF16 parameters only)"
         )
+
+
+def saved_param_dtype(saved: dict) -> str:
+    """The parameter dtype ("fp32" or "bf16") checkpoint metadata ``saved`` was trained with:
+    its config's ``precision.param_dtype``, which a run records resolved
+    (training/checkpointer.py); "auto" or none (older checkpoints, written before "auto"
+    depended on the device) was the level's own on every device."""
+    precision = saved["config"]["precision"]
+    return get_recipe(precision["level"], precision.get("param_dtype", "auto")).other_params
+
+
+def resumed_param_dtype(cfg: Config, resume: ResumePlan | None) -> str | None:
+    """The parameter dtype that ``resume`` fixes for ``cfg``: its checkpoint's, when the run
+    continues it (not a fine-tune) at the same level with ``precision.param_dtype=auto``, so
+    that a checkpoint resumes on a device whose "auto" differs (a CUDA run's BF16 on the CPU,
+    an older or CPU run's FP32 on CUDA); None otherwise (another level fails on load, naming
+    ``precision.level``)."""
+    if cfg.precision.param_dtype != "auto" or resume is None or resume.weights_only:
+        return None
+    if resume.metadata["config"]["precision"]["level"] != cfg.precision.level:
+        return None
+    return saved_param_dtype(resume.metadata)

@@ -17,7 +17,7 @@ from fp8train import device as devices
 from fp8train import gemm
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from fp8train.precision import PrecisionRecipe
+from fp8train.precision import PrecisionRecipe, get_recipe, resolve_param_dtype
 from fp8train.scaling import ScalingRecipe
 from models.base import ParallelModel
 from models.context import BuildContext
@@ -28,7 +28,8 @@ from parallel.topology import ProcessGroups, init_distributed
 from training.compile import compile_enabled, compile_layers
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
-from training.plan import RunPlan, plan_parallel
+from training.plan import ResumePlan, RunPlan, plan_parallel
+from training.resume_check import resumed_param_dtype
 
 __all__ = [
     "RunState",
@@ -62,6 +63,8 @@ class RunState:
     run_lock: Any = None  # training/run_lock.py: held for the run's lifetime
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
     engine: PipelineEngine | None = None  # None without pipeline parallelism
+    # Why ``recipe.other_params`` is what it is (``_param_dtype``): the start-up line says it.
+    param_dtype_source: str = "set"
 
 
 def _run_metrics(family: ModelFamily, cfg: Config) -> tuple[str, ...]:
@@ -109,6 +112,19 @@ def scaling_recipe(cfg: Config) -> ScalingRecipe:
         granularity=p.fp8_granularity,
         grad_format=p.fp8_grad_format,
     )
+
+
+def _param_dtype(cfg: Config, resume: ResumePlan | None, device_type: str) -> tuple[str, str]:
+    """``(parameter dtype, why)`` of the run: ``precision.param_dtype`` as set; "auto" as the
+    checkpoint it continues trained (``resumed_param_dtype``), else as ``device_type`` wants
+    (``resolve_param_dtype``: BF16 on CUDA at the FP8 levels, the level's own elsewhere)."""
+    p = cfg.precision
+    if p.param_dtype != "auto":
+        return p.param_dtype, "set"
+    kept = resumed_param_dtype(cfg, resume)
+    if kept is not None:
+        return kept, "auto: as its checkpoint trained"
+    return resolve_param_dtype(p.level, "auto", device_type), f"auto on {device_type}"
 
 
 def _scaler(cfg: Config, recipe: PrecisionRecipe):
@@ -212,12 +228,14 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     ``planning``: the build of training/planner.py, on the meta device: no data prepared and
     no datasets (the model config from ``ModelFamily.planned_model_config``), no values
     initialised, and the FP8 GEMM backend a GPU would take when the config says "auto"
-    (``scaled_mm``) rather than a race of fake kernels."""
+    (``scaled_mm``) rather than a race of fake kernels. ``precision.param_dtype=auto`` takes
+    the device this process would run on (``_param_dtype``), a plan's too: a plan made on a
+    CPU is checked against CPU runs; ``param_dtype=bf16`` plans a CUDA run's "auto" there."""
     fam = get_family(cfg.family)
-    recipe = cfg.precision.recipe()
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
     )
+    runs_on = device.type
     if planning:  # shapes, dtypes and storage sizes only: nothing allocated or computed
         device = torch.device("meta")
     topo = groups.topology
@@ -228,6 +246,8 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
             f"config: planned for {plan.world_size} ranks, but WORLD_SIZE={topo.world_size}"
         )
     resume = plan.resume
+    param_dtype, param_dtype_source = _param_dtype(cfg, resume, runs_on)
+    recipe = get_recipe(cfg.precision.level, param_dtype)
     layout = PipelineLayout(cfg.model.num_layers, topo.pipeline, plan.virtual_stages, topo.pp_rank)
 
     if planning:
@@ -299,4 +319,5 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
         gemm_backend=chosen,
         meter=meter,
         engine=engine,
+        param_dtype_source=param_dtype_source,
     )
