@@ -12,11 +12,15 @@ import importlib.util
 import json
 import math
 
+import pytest
+
+from fp8train import device as devices
 from tools import bench_gpu
 from tools.bench_gpu_max_size import largest_fitting, parameter_count
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
-BASELINES = ["PyTorch bf16", "torchao float8 tensorwise", "torchao float8 rowwise"]
+BASELINES = ["PyTorch bf16", "torchao float8 tensorwise"]
+CPU = devices.get_device().type == "cpu"
 
 
 def _run(tmp_path, capsys, *argv: str) -> tuple[list[dict], str]:
@@ -58,6 +62,13 @@ def test_levels_rows(tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["tflops"] > 0
         if row["name"].startswith("fp8train"):
             _finite(row, "bytes_per_param")
+        # The profiled steps: no device kernels on the CPU, but operators and host time.
+        _finite(row, "host_s", "aten_ops_per_step")
+        assert row["profiled_steps"] == 2 and row["host_s"] > 0 and row["aten_ops_per_step"] > 0
+        if CPU:
+            assert row["kernels_per_step"] is None
+        else:
+            assert row["kernels_per_step"] > 0
     # The baseline is the same model: GPT2LMHeadModel of the project's shape, same parameters.
     by_name = {r["name"]: r for r in rows}
     assert by_name["PyTorch bf16"]["params"] == by_name["fp8train bf16"]["params"]
@@ -69,8 +80,52 @@ def test_levels_rows(tmp_path, capsys):
     data = json.loads(saved.read_text())
     partial = {**data, "complete": False, "rows_so_far": data["rows"][:2]}
     text = bench_gpu.saved_report(partial)
-    assert "stopped after 2 rows" in text and "| fp8train te |" in text
-    assert "| fp8train O1 |" not in text
+    assert "stopped after 2 rows" in text and "| fp8train te:bf16 |" in text
+    assert "| fp8train O1:bf16 |" not in text
+
+
+def test_levels_compiled_row(tmp_path, capsys):
+    """A compiled row builds its run with training.compile=true (every layer compiled,
+    fullgraph) and reports what dynamo did; aot_eager keeps it to seconds on the CPU. Rows run
+    in the order given and are listed in the table's own order."""
+    argv = ["levels", "--size", "tiny", "--steps", "1", "--warmup", "2", "--in-process"]
+    argv += ["--rows", "te:bf16+compile", "bf16", "--compile-backend", "aot_eager"]
+    rows, table = _run(tmp_path, capsys, *argv)
+    assert [r["name"] for r in rows] == ["fp8train te:bf16 + compile", "fp8train bf16"]
+    compiled, eager = rows
+    assert compiled["status"] == "ok", compiled["status"]
+    assert (compiled["compile"], compiled["compile_backend"]) == (True, "aot_eager")
+    assert compiled["compiled_modules"] == 2 and compiled["graph_breaks"] == 0  # both layers
+    assert compiled["graphs"] >= 1 and "graphs" not in eager
+    _finite(compiled, "step_s", "tokens_per_s", "host_s", "aten_ops_per_step", "loss")
+    assert len(compiled["warmup_s"]) == 2
+    lines = [ln for ln in table.splitlines() if ln.startswith("| fp8train")]
+    assert lines[0].startswith("| fp8train bf16 |")  # the table's order, not the run's
+    assert lines[1].startswith("| fp8train te:bf16 + compile |")
+    assert f" | {compiled['graphs']} (0) | " in lines[1]
+    assert "backend aot_eager" in table and "host ms/step = " in table
+
+
+def test_level_rows_specs_and_time_limit(tmp_path, capsys):
+    """--compile puts a compiled twin after each row; torchao's compiled row gets its own
+    timeout; rows that --time-limit leaves no time for keep their line."""
+    args = bench_gpu._parser().parse_args(["levels", "--compile", "--levels", "te:bf16"])
+    specs = bench_gpu.row_specs(args)
+    names = [s["name"] for s in specs]
+    assert names == [
+        "fp8train te:bf16", "fp8train te:bf16 + compile", "PyTorch bf16",
+        "PyTorch bf16 + compile", "torchao float8 tensorwise",
+        "torchao float8 tensorwise + compile",
+    ]  # fmt: skip
+    assert [s["order"] for s in specs] == list(range(6))
+    assert [s["timeout"] for s in specs] == [600, 600, 600, 600, 600, 200]
+    assert all(s["kind"] == "project" for s in specs[:2]) and specs[1]["level"] == "te:bf16"
+    with pytest.raises(SystemExit):
+        bench_gpu._parser().parse_args(["levels", "--rows", "te:bf16+eager"])
+    argv = ["levels", "--size", "tiny", "--rows", "plain", "bf16", "--time-limit", "1"]
+    rows, table = _run(tmp_path, capsys, *argv)
+    assert [r["status"] for r in rows] == ["not run: out of time"] * 2
+    assert "| fp8train bf16 | not run: out of time |" in table
 
 
 def test_linear_rows_and_write(tmp_path, capsys):

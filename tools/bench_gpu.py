@@ -1,18 +1,28 @@
 """Benchmarks for a lent GPU: every precision level against plain PyTorch and torchao.
 
-    python tools/bench_gpu.py levels --size 1.3b [--steps 10] [--warmup 3] [--json PATH]
+    python tools/bench_gpu.py levels --size 1.3b [--compile] [--steps 10] [--warmup 3] [--json PATH]
+    python tools/bench_gpu.py levels --rows bf16+compile te:bf16+compile bf16 plain+compile ...
     python tools/bench_gpu.py linear [--size 8192] [--json PATH]
     python tools/bench_gpu.py max-size [--levels bf16 O2 O3] [--json PATH]
     ... [--write docs/BENCHMARKS.md]      # the table between this tool's markers
     python tools/bench_gpu.py report RUN.json... [--write docs/BENCHMARKS.md]
 
 levels: one process (world size 1) trains a GPT with the project's own stack (load_config +
-overrides, build_run, train_step) at bf16, te, O1, O2, O3; then the same shape as plain
-PyTorch (transformers' GPT2LMHeadModel in bf16, torch AdamW, SDPA attention) and with
-torchao's float8 training (tensorwise, rowwise) applied to that plain model. Tokens are
-synthetic (uniform random ids, one batch repeated): throughput only, the losses mean nothing.
-Each row runs in a fresh subprocess (a crash or an OOM costs that row only, and its peak
-memory is its own) unless ``--in-process``.
+overrides, build_run, train_step) at each level (default bf16, te:bf16, O1:bf16, O2:bf16,
+O3:bf16); then the same shape as plain PyTorch (transformers' GPT2LMHeadModel in bf16, torch
+AdamW, SDPA attention) and with torchao's float8 training (tensorwise, rowwise) applied to
+that plain model. ``--compile`` adds a compiled row beside each: "fp8train LEVEL + compile"
+builds the run with ``training.compile=true`` (every transformer layer compiled, fullgraph,
+as a training run on CUDA does by default), "PyTorch bf16 + compile" and "torchao float8
+tensorwise + compile" wrap the whole plain model in ``torch.compile``. ``--rows`` names the
+rows instead (LEVEL, LEVEL+compile, BASELINE, BASELINE+compile) in the order they run (most
+valuable first, so that a device call cut short keeps those); the table lists them in a fixed
+order (levels, each eager then compiled, then the baselines). Every row also runs
+``--profile-steps`` steps under the profiler after the timed ones: kernels, ATen operators and
+host time per step (the table's legend defines them). Tokens are synthetic (uniform random
+ids, one batch repeated): throughput only, the losses mean nothing. Each row runs in a fresh
+subprocess (a crash or an OOM costs that row only, its peak memory is its own, and a compiled
+row compiles from an empty in-memory cache) unless ``--in-process``.
 
 linear: forward + backward of one [M, K] x [K, N] linear (M = N = K = ``--size``): bf16
 ``torch.nn.Linear`` against ``fp8train.Linear`` under the te recipe and torchao's Float8Linear.
@@ -41,6 +51,7 @@ import functools
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,15 +67,19 @@ from tools.bench_gpu_linear import linear_rows  # noqa: E402
 from tools.bench_gpu_max_size import search_level  # noqa: E402
 from tools.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
 
-__all__ = ["BASELINES", "DEFAULT_LEVELS", "LEVELS", "main", "saved_report"]
+__all__ = ["BASELINES", "DEFAULT_LEVELS", "LEVELS", "main", "row_specs", "saved_report"]
 
 # "level:bf16" = the level with precision.param_dtype=bf16 (BF16 activations between the FP8
 # GEMMs, as Transformer Engine runs them); the plain FP8 levels keep FP32 there.
 LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O1:bf16", "O2:bf16", "O3:bf16")
 # "level@row" / "level@block": row- or block-wise FP8 scales (precision.fp8_granularity).
 LEVELS += tuple(f"{lv}@{g}" for lv in ("te", "te:bf16", "O2:bf16") for g in ("row", "block"))
-DEFAULT_LEVELS = ("bf16", "te", "O1", "O2", "O3", "te:bf16", "O2:bf16")
+LEVELS += ("O3:bf16@block",)  # O3 refuses row-wise scales (a row-scaled FP8 weight)
+# Issue 34's rows: BF16 activations between the FP8 GEMMs, as Transformer Engine runs them.
+DEFAULT_LEVELS = ("bf16", "te:bf16", "O1:bf16", "O2:bf16", "O3:bf16")
 BASELINES = ("plain", "torchao-tensorwise", "torchao-rowwise")
+DEFAULT_BASELINES = ("plain", "torchao-tensorwise")
+COMPILED = "+compile"  # a row token's suffix: "te:bf16+compile", "plain+compile"
 
 
 # --------------------------------------------------------------------------- subcommands
@@ -92,9 +107,42 @@ def _save_json(args, body: dict) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 
-def cmd_levels(args) -> tuple[str, list[dict]]:
+def _row_token(text: str) -> str:
+    """``--rows``: LEVEL or BASELINE, optionally with ``+compile``."""
+    name = text.removesuffix(COMPILED)
+    if name not in LEVELS and name not in BASELINES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a level ({', '.join(LEVELS)}) or a baseline ({', '.join(BASELINES)}), "
+            f"either optionally followed by {COMPILED}"
+        )
+    return text
+
+
+def _display_key(token: str) -> tuple:
+    """The table's order: the levels as LEVELS lists them, then the baselines, each eager
+    before compiled; independent of the order the rows ran in."""
+    name = token.removesuffix(COMPILED)
+    compiled = token.endswith(COMPILED)
+    if name in LEVELS:
+        return (0, LEVELS.index(name), compiled)
+    return (1, BASELINES.index(name), compiled)
+
+
+def row_specs(args) -> list[dict]:
+    """The rows' specs, in the order they run: ``--rows``, else each of ``--levels`` then
+    each of ``--baselines``, with its compiled twin after it under ``--compile``. Each spec
+    carries ``order`` (its line in the table) and ``timeout`` (its subprocess's seconds)."""
+    if args.rows:
+        tokens = list(args.rows)
+    else:
+        twins = (lambda t: [t, t + COMPILED]) if args.compile else (lambda t: [t])
+        tokens = [x for t in [*args.levels, *args.baselines] for x in twins(t)]
+    if len(set(tokens)) != len(tokens):
+        raise SystemExit(f"bench_gpu: a row is named twice in {tokens}")
+    order = {t: i for i, t in enumerate(sorted(tokens, key=_display_key))}
     common = {
         "size": args.size,
+        "layers": args.layers,
         "steps": args.steps,
         "warmup": args.warmup,
         "micro_batch": args.micro_batch,
@@ -102,36 +150,78 @@ def cmd_levels(args) -> tuple[str, list[dict]]:
         "fp8_backend": args.fp8_backend,
         "build_on_device": args.build_on_device,
         "profile": args.profile,
+        "profile_steps": args.profile_steps,
     }
-    specs = [
-        {"kind": "project", "name": f"fp8train {lv}", "level": lv, **common} for lv in args.levels
-    ]
-    for base in args.baselines:
-        recipe = base.split("-", 1)[1] if base.startswith("torchao") else None
-        name = f"torchao float8 {recipe}" if recipe else "PyTorch bf16"
-        specs.append({"kind": "plain", "name": name, "recipe": recipe, **common})
-        if args.compile:
-            specs.append({**specs[-1], "name": f"{name} + torch.compile", "compile": True})
-    rows = [_finish(args, run_row(s, args.in_process, args.row_timeout)) for s in specs]
+    specs = []
+    for token in tokens:
+        name = token.removesuffix(COMPILED)
+        compiled = token.endswith(COMPILED)
+        spec = {**common, "order": order[token], "compile": compiled}
+        if compiled:
+            spec["compile_backend"] = args.compile_backend
+        suffix = " + compile" if compiled else ""
+        if name in LEVELS:
+            spec.update(kind="project", name=f"fp8train {name}{suffix}", level=name)
+        else:
+            recipe = name.split("-", 1)[1] if name.startswith("torchao") else None
+            label = f"torchao float8 {recipe}" if recipe else "PyTorch bf16"
+            spec.update(kind="plain", name=label + suffix, recipe=recipe)
+        timeout = args.compile_row_timeout if compiled else args.row_timeout
+        if compiled and spec.get("recipe"):
+            timeout = args.torchao_compile_timeout  # its compile alone took ~110 s on an H200
+        specs.append({**spec, "timeout": timeout})
+    return specs
+
+
+def _run_rows(args, specs: list[dict]) -> list[dict]:
+    """Each row under its own timeout, cut to what ``--time-limit`` leaves: a row it cannot
+    start keeps its line in the table ("not run: ..."), and the parent always writes its
+    report (a device call's own ``timeout`` is then only a safety net)."""
+    start, rows = time.monotonic(), []
+    for spec in specs:
+        timeout = spec["timeout"]
+        if args.time_limit:
+            left = args.time_limit - (time.monotonic() - start)
+            if left < 15:
+                rows.append(_finish(args, {**spec, "status": "not run: out of time"}))
+                continue
+            timeout = min(timeout, left - 5)
+        began = time.monotonic()
+        row = run_row(spec, args.in_process, timeout)
+        rows.append(_finish(args, {**row, "row_s": time.monotonic() - began}))
+    return rows
+
+
+def cmd_levels(args) -> tuple[str, list[dict]]:
+    rows = _run_rows(args, row_specs(args))
     info = _device_of(args, rows)
     cuda = info["device_type"] == "cuda"
     shape = SHAPES[args.size]
     micro = args.micro_batch or shape.micro_batch
+    layers = args.layers or shape.layers
     backend = next((r.get("fp8_backend") for r in rows if r.get("fp8_backend")), None)
+    compiled = next((r["compile_backend"] for r in rows if r.get("compile_backend")), None)
     memory = (
         "max allocated by the CUDA caching allocator"
         if cuda
         else "the process's max RSS (everything, not just tensors)"
     )
+    how = (
+        f" Compiled rows: torch.compile, backend {compiled}; fp8train's with "
+        "training.compile=true (each transformer layer, fullgraph), the baselines' whole model."
+        if compiled
+        else ""
+    )
     title = (
-        f"GPT {args.size} ({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, "
+        f"GPT {args.size} ({layers} layers, hidden {shape.hidden}, {shape.heads} heads, "
         f"sequence {shape.seq}, vocabulary {shape.vocab} padded to a multiple of 128), "
         f"micro-batch {micro}, one process; {args.warmup} warm-up steps, then the median of "
         f"{args.steps}. Synthetic tokens (uniform random ids): throughput only. fp8train FP8 "
         f"GEMMs: {backend or '-'}. PyTorch bf16 = GPT2LMHeadModel (Conv1D as nn.Linear) with "
         "bf16 weights and AdamW states, SDPA, clipping, AdamW "
-        f"{'fused' if cuda else 'foreach'}; torchao rows convert its linears except the head. "
-        f"Peak memory: {memory}. {tables.peak_note(info)}."
+        f"{'fused' if cuda else 'foreach'}; torchao rows convert its linears except the head."
+        f"{how} Peak memory: {memory}. {tables.peak_note(info)}. "
+        f"{tables.levels_legend(args.profile_steps)}"
     )
     return _report(args, title, tables.levels_table(rows, info)), rows
 
@@ -216,7 +306,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--in-process", action="store_true", help="no subprocess per row")
     common.add_argument("--row-timeout", type=float, default=600, help="seconds per subprocess")
     common.add_argument("--fp8-backend", choices=gemm.BACKENDS, help="default: scaled_mm on CUDA")
-    common.add_argument("--compile", action="store_true", help="add torch.compile'd baselines")
+    common.add_argument(
+        "--compile", action="store_true", help="add a torch.compile'd row beside each row"
+    )
     common.add_argument(
         "--build-on-device", action="store_true", help="build fp8train models on the device"
     )
@@ -227,8 +319,30 @@ def _parser() -> argparse.ArgumentParser:
     lv.add_argument("--warmup", type=int, default=3)
     lv.add_argument("--micro-batch", type=int, help="default: the shape's")
     lv.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    lv.add_argument("--layers", type=int, help="default: the shape's (a compile check: 2)")
     lv.add_argument("--levels", nargs="+", choices=LEVELS, default=list(DEFAULT_LEVELS))
-    lv.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES))
+    lv.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(DEFAULT_BASELINES))
+    lv.add_argument(
+        "--rows",
+        nargs="+",
+        type=_row_token,
+        metavar="ROW",
+        help="LEVEL[+compile] or BASELINE[+compile], in the order to run them (replaces "
+        "--levels, --baselines and --compile)",
+    )
+    lv.add_argument(
+        "--compile-backend", default="inductor", help="dynamo backend of the compiled rows"
+    )
+    lv.add_argument(
+        "--compile-row-timeout", type=float, default=600, help="seconds per compiled row"
+    )
+    lv.add_argument(
+        "--torchao-compile-timeout", type=float, default=200, help="seconds per torchao+compile"
+    )
+    lv.add_argument(
+        "--time-limit", type=float, help="seconds for all rows: later rows get what is left"
+    )
+    lv.add_argument("--profile-steps", type=int, default=2, help="steps profiled per row (0: none)")
     lv.add_argument(
         "--profile", action="store_true", help="each row also records its top operators"
     )

@@ -2,9 +2,16 @@
 process) in, the spec plus its measurements and a status out.
 
 A ``"project"`` row trains the project's own stack (load_config + overrides, build_run,
-train_step) at one precision level; a ``"plain"`` row trains transformers' GPT2LMHeadModel of
-the same shape in bf16 with torch AdamW, optionally with torchao's float8 training applied.
+train_step) at one precision level, eager (``training.compile=false``) or with every
+transformer layer compiled (``"compile": true``: ``training.compile=true``, so build_run
+compiles the layers as a training run does); a ``"plain"`` row trains transformers'
+GPT2LMHeadModel of the same shape in bf16 with torch AdamW, optionally with torchao's float8
+training applied, eager or under ``torch.compile``. ``"compile_backend"`` (default inductor)
+picks another dynamo backend: the CPU smoke test takes aot_eager, which costs seconds.
 Tokens are synthetic (uniform random ids, one batch repeated): throughput only.
+
+After the timed steps, ``"profile_steps"`` more run under ``torch.profiler`` (``profile_steps``
+below): device kernels, dispatched ATen operators and host time per step.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from families.gpt import GPTFamily, GPTModelSection
 from fp8train import device as devices
 from fp8train import gemm
 from fp8train.precision import split_level
+from training.compile import compile_layers
 from training.config import load_config
 from training.setup import build_run
 from training.step import train_step
@@ -45,6 +53,7 @@ __all__ = [
     "device_info",
     "fp8_backend",
     "measure_row",
+    "profile_steps",
     "model_config",
     "run_config",
     "run_row",
@@ -157,6 +166,9 @@ def run_config(spec: dict):
         "precision.level": level,
         "precision.param_dtype": param_dtype,
         "precision.fp8_gemm_backend": spec.get("fp8_backend") or "emulated",
+        # Explicit both ways: null would compile on CUDA (training/compile.py), so an eager
+        # row there would silently be a compiled one.
+        "training.compile": "true" if spec.get("compile") else "false",
     }
     if granularity:
         values.update({"precision.fp8_granularity": granularity, "precision.fp8_recipe": "current"})
@@ -186,19 +198,17 @@ def peak_bytes(device: torch.device) -> int:
     return stats.get("max_allocated", stats.get("max_rss", 0))
 
 
-def top_kernels(step, device: torch.device, steps: int = 2, top: int = 25) -> list[dict]:
-    """The operators that took the most device time over ``steps`` profiled steps (after the
-    timed ones, so the profiler's own overhead never enters a timing): where a level's time
-    goes, read from one call instead of a second lease."""
-    from torch.profiler import ProfilerActivity, profile
+STEP_MARK = "bench_gpu.step"  # the profiler's range around each profiled step
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        devices.synchronize(device)
+
+def _is_wait(name: str) -> bool:
+    """A runtime call in which the host blocks on the device: a synchronisation, or a copy
+    (a device-to-host copy returns only once the stream has reached it; host-to-device ones
+    of a step are a few bytes and microseconds)."""
+    return "Synchronize" in name or name.startswith(("cudaMemcpy", "hipMemcpy"))
+
+
+def _top(prof, device: torch.device, steps: int, top: int) -> list[dict]:
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     events.sort(key=lambda e: getattr(e, key), reverse=True)
@@ -214,13 +224,73 @@ def top_kernels(step, device: torch.device, steps: int = 2, top: int = 25) -> li
     ]
 
 
-def time_steps(step, device: torch.device, warmup: int, steps: int, profile: bool = False) -> dict:
-    """Median seconds per step after ``warmup`` untimed steps, and the peak memory of the
-    timed ones (reset after warm-up: the optimizer's lazily made states exist by then); with
-    ``profile``, also the top operators of two more steps (``top_kernels``)."""
+def profile_steps(step, device: torch.device, steps: int = 2, top: int = 0) -> dict:
+    """``steps`` more steps under ``torch.profiler`` (after the timed ones, so that its own
+    overhead never enters a timing), per step:
+
+    - ``kernels_per_step``: the profiler's device events that are kernels (not memcpy or
+      memset, counted apart as ``copies_per_step``); None on a device without them (the CPU);
+    - ``aten_ops_per_step``: ATen operators dispatched from outside another ATen operator
+      (by Python, the autograd engine or compiled code), on every thread;
+    - ``host_s``: the step's wall time on the host less the time its threads spent blocked
+      on the device (``_is_wait``): what the host needs to issue the step, whatever the
+      device's speed. It includes the profiler's own cost (about a microsecond per recorded
+      operator or launch); on the CPU, where nothing waits, it is the step's wall time.
+
+    With ``top``, also the ``top`` operators by device time (``top_kernels``): where a level's
+    time goes, read from one call instead of a second lease."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                step()
+            devices.synchronize(device)  # outside the mark: the next step starts idle
+    events = prof.events()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    marks = [e.time_range for e in host if e.name == STEP_MARK]
+    waits = [e.time_range for e in host if _is_wait(e.name)]
+    busy_us = 0.0
+    for mark in marks:
+        inside = (w for w in waits if w.start >= mark.start and w.end <= mark.end)
+        busy_us += mark.elapsed_us() - sum(w.elapsed_us() for w in inside)
+    on_device = [e.name for e in events if e.device_type != DeviceType.CPU]
+    copies = sum(n.startswith(("Memcpy", "Memset")) for n in on_device)
+
+    def dispatched(e) -> bool:
+        parent = e.cpu_parent
+        return e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::"))
+
+    out = {
+        "profiled_steps": len(marks),
+        "host_s": busy_us / 1e6 / max(len(marks), 1),
+        "aten_ops_per_step": sum(map(dispatched, host)) / steps,
+        "kernels_per_step": (len(on_device) - copies) / steps if device.type != "cpu" else None,
+        "copies_per_step": copies / steps if device.type != "cpu" else None,
+    }
+    if top:
+        out["top_kernels"] = _top(prof, device, steps, top)
+    return out
+
+
+def time_steps(
+    step, device: torch.device, warmup: int, steps: int, profile: bool = False, profiled: int = 0
+) -> dict:
+    """Median seconds per step after ``warmup`` untimed steps (each one's time kept in
+    ``warmup_s``: the first holds a compiled row's compilation, a later one any
+    recompilation), and the peak memory of the timed ones (reset after warm-up: the
+    optimizer's lazily made states exist by then); then ``profiled`` more steps under the
+    profiler (``profile_steps``; with ``profile``, at least 2, with the top operators)."""
+    warm = []
     for _ in range(warmup):
+        start = time.perf_counter()
         step()
-    devices.synchronize(device)
+        devices.synchronize(device)
+        warm.append(time.perf_counter() - start)
     devices.reset_peak_memory(device)
     times = []
     for _ in range(steps):
@@ -228,10 +298,43 @@ def time_steps(step, device: torch.device, warmup: int, steps: int, profile: boo
         step()
         devices.synchronize(device)  # the kernels this step queued are part of its time
         times.append(time.perf_counter() - start)
-    out = {"step_s": statistics.median(times), "peak_bytes": peak_bytes(device)}
-    if profile:
-        out["top_kernels"] = top_kernels(step, device)
+    out = {
+        "step_s": statistics.median(times),
+        "peak_bytes": peak_bytes(device),
+        "warmup_s": warm,
+    }
+    if profile or profiled:
+        count = max(profiled, 2 if profile else 1)
+        out.update(profile_steps(step, device, count, top=25 if profile else 0))
     return out
+
+
+def _dynamo_reset() -> None:
+    """A compiled row starts from an empty dynamo cache and counters (in-process rows share a
+    process): its graph count is its own, and no earlier row's entries count against the
+    recompile limit."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _dynamo_stats(compiled_modules: int) -> dict:
+    """What dynamo did for a compiled row: the modules it wraps (each layer, or the whole
+    model), the graphs compiled (for the layers one, plus one per recompilation, e.g. for the
+    first layer, whose input needs no gradient), and the graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "compiled_modules": compiled_modules,
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def _compiled_modules(model: nn.Module) -> int:
+    return sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def project_row(spec: dict) -> dict:
@@ -242,8 +345,17 @@ def project_row(spec: dict) -> dict:
     # otherwise initialises on the host, at about 100-200 M values/s (one thread's RNG):
     # minutes for the largest max-size attempts, for values nobody reads.
     where = torch.device(device) if spec.get("build_on_device") else contextlib.nullcontext()
+    compiled = bool(spec.get("compile"))
+    if compiled:
+        _dynamo_reset()
+    start = time.perf_counter()
     with where:
-        state = build_run(cfg)
+        state = build_run(cfg)  # training.compile=true: build_run compiles the layers
+    backend = spec.get("compile_backend") or "inductor"
+    if compiled and backend != "inductor":
+        # Re-wraps each layer (compilation is lazy: nothing was compiled yet).
+        compile_layers(state.model, tensor_parallel=False, backend=backend)
+    build_s = time.perf_counter() - start
     micro, seq = cfg.training.micro_batch_size, cfg.model.seq_length
     data = itertools.repeat(synthetic_batch(micro, seq, state.model_config.vocab_size, device))
     last = []  # the last step's StepStats: its loss is read after the timing, not inside it
@@ -251,11 +363,16 @@ def project_row(spec: dict) -> dict:
     def step():
         last[:] = [train_step(state, data, 1)]
 
-    timing = time_steps(step, device, spec["warmup"], spec["steps"], spec.get("profile", False))
+    timing = time_steps(
+        step, device, spec["warmup"], spec["steps"], spec.get("profile", False),
+        spec.get("profile_steps", 0),
+    )  # fmt: skip
     bpp = (state.bytes_per_param or {}).get("all", {}).get("total")
     return {
         **timing,
+        **(_dynamo_stats(_compiled_modules(state.model)) if compiled else {}),
         **device_info(device),
+        "build_s": build_s,
         "tokens": micro * seq,
         "flops": state.family.flops_per_step(state.model_config, micro),
         "params": sum(p.numel() for p in state.model.parameters()),
@@ -333,6 +450,7 @@ def plain_row(spec: dict) -> dict:
     device = devices.get_device()
     cfg = run_config(spec)
     config = model_config(cfg)
+    start = time.perf_counter()
     model = plain_model(config, device, spec.get("recipe"))
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
@@ -340,7 +458,13 @@ def plain_row(spec: dict) -> dict:
     opt = torch.optim.AdamW(
         params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay, **fused
     )
-    run = torch.compile(model) if spec.get("compile") else model
+    compiled = bool(spec.get("compile"))
+    if compiled:
+        _dynamo_reset()
+        run = torch.compile(model, backend=spec.get("compile_backend") or "inductor")
+    else:
+        run = model
+    build_s = time.perf_counter() - start
     micro, seq = cfg.training.micro_batch_size, config.seq_length
     tokens = synthetic_batch(micro, seq, config.vocab_size, device)["tokens"]
     stats = {}
@@ -353,10 +477,15 @@ def plain_row(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         stats["loss"] = loss.detach()
 
-    timing = time_steps(step, device, spec["warmup"], spec["steps"], spec.get("profile", False))
+    timing = time_steps(
+        step, device, spec["warmup"], spec["steps"], spec.get("profile", False),
+        spec.get("profile_steps", 0),
+    )  # fmt: skip
     return {
         **timing,
+        **(_dynamo_stats(1) if compiled else {}),
         **device_info(device),
+        "build_s": build_s,
         "tokens": micro * seq,
         "flops": FAMILY.flops_per_step(config, micro),  # the same formula as the levels
         "params": sum(p.numel() for p in params),

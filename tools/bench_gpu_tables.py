@@ -15,7 +15,14 @@ import torch
 from fp8train.machine_cache import remember
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 
-__all__ = ["levels_table", "linear_table", "max_size_table", "peak_note", "peak_tflops"]
+__all__ = [
+    "levels_legend",
+    "levels_table",
+    "linear_table",
+    "max_size_table",
+    "peak_note",
+    "peak_tflops",
+]
 
 GIB = 2**30
 
@@ -59,34 +66,72 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
-def _speed(row: dict | None, ref: dict | None) -> str:
-    if not (row and ref and row["status"] == ref["status"] == "ok"):
+LEVELS_HEAD = (
+    "| row | tokens/s | ms/step | vs fp8train bf16 + compile | vs fp8train bf16 | "
+    "peak memory GiB | memory vs fp8train bf16 | kernels/step | host ms/step | "
+    "ATen ops/step | first step s | dynamo graphs (breaks) | TFLOP/s | MFU (BF16 peak) | "
+    "MFU (own GEMM peak) | model-state bytes/param |"
+)
+
+
+def levels_legend(profile_steps: int) -> str:
+    """What the levels table's columns mean (printed above it)."""
+    return (
+        "Columns: vs ...: tokens/s against that row of this table (same card, same call); "
+        "compiled rows are meant to be read against 'fp8train bf16 + compile'. "
+        f"Kernels, ATen ops and host time come from torch.profiler over {profile_steps} more "
+        "steps after the timed ones: kernels/step = the profiler's device events other than "
+        "memcpy/memset; ATen ops/step = ATen operators dispatched from outside another ATen "
+        "operator (by Python, the autograd engine or compiled code), on every thread; host "
+        "ms/step = a step's wall time on the host less the time its threads spent blocked on "
+        "the device (cuda*Synchronize and cudaMemcpy* calls), i.e. what issuing the step costs "
+        "the host, profiler overhead (about a microsecond per recorded operator or launch) "
+        "included: where it nears ms/step the step is host-bound. First step s = the first "
+        "warm-up step, which holds a compiled row's compilation. Dynamo graphs (breaks): "
+        "graphs compiled and graph breaks in a compiled row."
+    )
+
+
+def _ratio(row: dict, ref: dict | None, key: str) -> str:
+    """``row[key] / ref[key]``, when both rows ran."""
+    if not (ref and row["status"] == ref["status"] == "ok"):
         return "-"
-    return f"{row['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+    return f"{row[key] / ref[key]:.2f}x"
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _graphs(row: dict) -> str:
+    if "graphs" not in row:
+        return "-"
+    return f"{row['graphs']} ({row['graph_breaks']})"
 
 
 def levels_table(rows: list[dict], info: dict) -> str:
-    """One row per level and baseline; MFU against the BF16 dense peak (comparable across
-    rows) and against the peak of the row's own GEMM dtype (what the trainer logs)."""
+    """One row per level and baseline, in each row's ``order`` (the table's fixed order,
+    whatever order they ran in); MFU against the BF16 dense peak (comparable across rows) and
+    against the peak of the row's own GEMM dtype (what the trainer logs)."""
     bf16_peak = peak_tflops(info, "bf16")
-    ours = next((r for r in rows if r["name"] == "fp8train bf16"), None)
-    plain = next((r for r in rows if r["name"] == "PyTorch bf16"), None)
-    head = (
-        "| row | tokens/s | ms/step | TFLOP/s | MFU (BF16 peak) | MFU (own GEMM peak) | "
-        "peak memory GiB | model-state bytes/param | speed vs fp8train bf16 | "
-        "speed vs PyTorch bf16 |"
-    )
-    lines = [head, "|---" * 10 + "|"]
+    rows = sorted(rows, key=lambda r: r.get("order", 0))  # stable: old runs keep theirs
+    by_name = {r["name"]: r for r in rows}
+    eager, compiled = by_name.get("fp8train bf16"), by_name.get("fp8train bf16 + compile")
+    lines = [LEVELS_HEAD, "|---" * LEVELS_HEAD.count(" | ") + "|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " - |" * 8)
+            lines.append(f"| {r['name']} | {r['status']} |" + " - |" * 14)
             continue
         own = peak_tflops(info, r["gemm"])
+        warm = r.get("warmup_s") or [None]
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:,.0f} | {r['step_s'] * 1e3:.1f} | "
+            f"{_ratio(r, compiled, 'tokens_per_s')} | {_ratio(r, eager, 'tokens_per_s')} | "
+            f"{r['peak_bytes'] / GIB:.2f} | {_ratio(r, eager, 'peak_bytes')} | "
+            f"{_f(r.get('kernels_per_step'), ',.0f')} | {_ms(r.get('host_s'))} | "
+            f"{_f(r.get('aten_ops_per_step'), ',.0f')} | {_f(warm[0], '.1f')} | {_graphs(r)} | "
             f"{_num(r['tflops'])} | {_pct(r['tflops'] / bf16_peak)} | {_pct(r['tflops'] / own)} | "
-            f"{r['peak_bytes'] / GIB:.2f} | {_f(r['bytes_per_param'], '.1f')} | "
-            f"{_speed(r, ours)} | {_speed(r, plain)} |"
+            f"{_f(r['bytes_per_param'], '.1f')} |"
         )
     return "\n".join(lines)
 
