@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_overrides
-from multiproc import TORCHRUN
+from multiproc import TORCHRUN, _hidden_gpus
 
 from checkpoint.store import CheckpointError
 from data.indexed import check_index_header
@@ -278,8 +278,12 @@ def _case_args(case: str, data, bad_data, checkpoints, run_dir: Path) -> list[st
     return _overrides(data, run_dir, **extra)
 
 
-def _run(cmd: list[str], timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _run(
+    cmd: list[str], nproc: int, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, float]:
+    # On the CPU (gloo) as tests/multiproc.py starts ranks: on a one-GPU machine rank 1 would
+    # otherwise ask for cuda:1.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **_hidden_gpus(nproc))
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
@@ -297,7 +301,7 @@ def torchrun_results(tiny_data, bad_data, checkpoints, tmp_path_factory):
         run_dir.parent.mkdir()
         args = _case_args(case, tiny_data, bad_data, checkpoints, run_dir)
         cmd = [*TORCHRUN, "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", CONFIG]
-        return case, (*_run([*cmd, *args]), run_dir)
+        return case, (*_run([*cmd, *args], nproc), run_dir)
 
     with ThreadPoolExecutor(3) as pool:
         return dict(pool.map(one, TORCHRUN_CASES))
@@ -336,7 +340,9 @@ def test_the_launcher_prints_one_line_and_starts_no_worker(
     logs = tmp_path / "torchrun_logs"  # torchrun fills it once it starts workers
     cmd = [sys.executable, "-m", "training.launcher", "--standalone", "--log-dir", str(logs),
            "--nproc_per_node", str(nproc), "pretrain_gpt.py", "--config", CONFIG]  # fmt: skip
-    proc, seconds = _run([*cmd, *_case_args(case, tiny_data, bad_data, checkpoints, run_dir)])
+    proc, seconds = _run(
+        [*cmd, *_case_args(case, tiny_data, bad_data, checkpoints, run_dir)], nproc
+    )
     lines = [x for x in proc.stderr.splitlines() + proc.stdout.splitlines() if x.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines

@@ -21,7 +21,7 @@ import time
 
 import pytest
 from conftest import REPO, tiny_overrides
-from multiproc import logged_losses, metrics_records, pretrain_ranks
+from multiproc import _hidden_gpus, logged_losses, metrics_records, pretrain_ranks
 
 STEPS = 24
 # The launched runs evaluate this many batches after every step. Evaluation leaves training
@@ -52,9 +52,16 @@ def _cmd(data, run_dir, level: str = "fp32", launcher: str = LAUNCHER) -> list[s
             "pretrain_gpt.py", "--config", CONFIG, *_overrides(data, run_dir, level)]  # fmt: skip
 
 
+def _env() -> dict[str, str]:
+    """The launched 2-rank jobs' environment: on the CPU (gloo), as tests/multiproc.py starts
+    ranks; on a one-GPU machine rank 1 would otherwise ask for cuda:1."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **_hidden_gpus(2))
+
+
 def _run(cmd, timeout=300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +96,7 @@ def test_signals_save_and_resume_continues_the_run(straight, tiny_data, tmp_path
     Each stop saves once, exits 0 with one line, and the losses equal the uninterrupted run's.
     (One run for both signals: every start costs fresh interpreters, the steps cost little.)"""
     cmd = _cmd(tiny_data, tmp_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = _env()
     metrics, stopped_at = tmp_path / "metrics.jsonl", 0
     for attempt, sig in enumerate((signal.SIGTERM, signal.SIGINT)):
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -183,7 +190,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_uninterrupted(
     cmd = _cmd(tiny_data, tmp_path, level, launcher)
     cmd[cmd.index("--nproc_per_node") : cmd.index("--nproc_per_node")] = ["--max-restarts", "1"]
     cmd.append("checkpoint.save_interval=5")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = _env()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
