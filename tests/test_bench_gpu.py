@@ -82,6 +82,11 @@ def test_levels_rows(tmp_path, capsys):
     text = bench_gpu.saved_report(partial)
     assert "stopped after 2 rows" in text and "| fp8train te:bf16 |" in text
     assert "| fp8train O1:bf16 |" not in text
+    # --merge: a run cut short and the one that ran the rest, as one table in its own order.
+    rest = {**data, "rows": [{**r, "order": 0} for r in reversed(data["rows"][2:])]}
+    merged = bench_gpu.merge_runs([partial, rest])
+    assert [r["name"] for r in merged["rows_so_far"]] == [r["name"] for r in rows]
+    assert "2 runs merged" in bench_gpu.saved_report(merged)
 
 
 def test_levels_compiled_row(tmp_path, capsys):

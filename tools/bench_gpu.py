@@ -5,7 +5,7 @@
     python tools/bench_gpu.py linear [--size 8192] [--json PATH]
     python tools/bench_gpu.py max-size [--levels bf16 O2 O3] [--json PATH]
     ... [--write docs/BENCHMARKS.md]      # the table between this tool's markers
-    python tools/bench_gpu.py report RUN.json... [--write docs/BENCHMARKS.md]
+    python tools/bench_gpu.py report RUN.json... [--merge] [--write docs/BENCHMARKS.md]
 
 levels: one process (world size 1) trains a GPT with the project's own stack (load_config +
 overrides, build_run, train_step) at each level (default bf16, te:bf16, O1:bf16, O2:bf16,
@@ -365,6 +365,9 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="print the tables of saved --json files")
     rp.add_argument("files", nargs="+")
     rp.add_argument("--write", help="markdown file to put each table into (between markers)")
+    rp.add_argument(
+        "--merge", action="store_true", help="one table of several levels runs (one machine)"
+    )
 
     row = sub.add_parser("_row", help=argparse.SUPPRESS)  # one row, in a fresh process
     row.add_argument("spec")
@@ -385,16 +388,56 @@ def saved_report(data: dict) -> str | None:
     if table is None or info is None:
         return None
     env = data["environment"]
+    if data.get("merged"):
+        how = f"{data['merged']} runs merged, one after the other on one machine"
+    else:
+        how = f"which stopped after {len(rows)} rows"
+    legend = ""
+    if data["subcommand"] == "levels" and rows[0].get("profile_steps"):
+        legend = " " + tables.levels_legend(rows[0]["profile_steps"])
     return (
         f"Measured {env['date']} on {info['device']}, torch {env['torch']}, with "
-        f"`{env['command']}`, which stopped after {len(rows)} rows.\n\n{table(rows, info)}"
+        f"`{env['command']}`, {how}.{legend}\n\n{table(rows, info)}"
     )
 
 
+def _token(row: dict) -> str:
+    """A levels row's ``--rows`` token, from its spec."""
+    if row["kind"] == "project":
+        name = row["level"]
+    else:
+        name = f"torchao-{row['recipe']}" if row.get("recipe") else "plain"
+    return name + (COMPILED if row.get("compile") else "")
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """Several saved levels runs as one (a call cut short and the call on the same warm
+    machine that ran the rest): for each row name the first run's row that ran, else the
+    last one's status; the table's order is recomputed over all of them."""
+    if {r["subcommand"] for r in runs} != {"levels"}:
+        raise SystemExit("bench_gpu report --merge: levels runs only")
+    by_name: dict[str, dict] = {}
+    for run in runs:
+        for row in run.get("rows") or run.get("rows_so_far", []):
+            kept = by_name.get(row["name"])
+            if kept is None or kept["status"] != "ok":
+                by_name[row["name"]] = row
+    rows = sorted(by_name.values(), key=lambda r: _display_key(_token(r)))
+    rows = [{**r, "order": i} for i, r in enumerate(rows)]
+    env = dict(runs[0]["environment"])
+    env["command"] = "`, then `".join(r["environment"]["command"] for r in runs)
+    keys = ("subcommand", "tag", "heading")
+    return {**{k: runs[0][k] for k in keys}, "environment": env, "complete": False,
+            "merged": len(runs), "rows_so_far": rows}  # fmt: skip
+
+
 def cmd_report(args) -> None:
-    """Print (and with ``--write`` put into the document) the tables of saved runs."""
-    for path in args.files:
-        data = json.loads(Path(path).read_text())
+    """Print (and with ``--write`` put into the document) the tables of saved runs; with
+    ``--merge``, one table of all of them."""
+    runs = [(path, json.loads(Path(path).read_text())) for path in args.files]
+    if args.merge:
+        runs = [("merged", merge_runs([data for _, data in runs]))]
+    for path, data in runs:
         text = saved_report(data)
         if text is None:
             print(f"{path}: no table (an unfinished {data['subcommand']} run)\n")

@@ -258,7 +258,15 @@ def profile_steps(step, device: torch.device, steps: int = 2, top: int = 0) -> d
     for mark in marks:
         inside = (w for w in waits if w.start >= mark.start and w.end <= mark.end)
         busy_us += mark.elapsed_us() - sum(w.elapsed_us() for w in inside)
-    on_device = [e.name for e in events if e.device_type != DeviceType.CPU]
+    # Device events are kernels, copies, and the device-side spans of record_function ranges
+    # (user annotations: this step's mark, dynamo's regions), which launch nothing.
+    on_device = [
+        e.name
+        for e in events
+        if e.device_type != DeviceType.CPU
+        and not getattr(e, "is_user_annotation", False)
+        and e.name != STEP_MARK
+    ]
     copies = sum(n.startswith(("Memcpy", "Memset")) for n in on_device)
 
     def dispatched(e) -> bool:
@@ -271,6 +279,9 @@ def profile_steps(step, device: torch.device, steps: int = 2, top: int = 0) -> d
         "aten_ops_per_step": sum(map(dispatched, host)) / steps,
         "kernels_per_step": (len(on_device) - copies) / steps if device.type != "cpu" else None,
         "copies_per_step": copies / steps if device.type != "cpu" else None,
+        # A cross-check of the kernel count from the host side: runtime and driver calls
+        # that launch (cudaLaunchKernel, cuLaunchKernel, ...).
+        "launches_per_step": sum("LaunchKernel" in e.name for e in host) / steps,
     }
     if top:
         out["top_kernels"] = _top(prof, device, steps, top)
