@@ -228,9 +228,10 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     ``planning``: the build of training/planner.py, on the meta device: no data prepared and
     no datasets (the model config from ``ModelFamily.planned_model_config``), no values
     initialised, and the FP8 GEMM backend a GPU would take when the config says "auto"
-    (``scaled_mm``) rather than a race of fake kernels. ``precision.param_dtype=auto`` takes
-    the device this process would run on (``_param_dtype``), a plan's too: a plan made on a
-    CPU is checked against CPU runs; ``param_dtype=bf16`` plans a CUDA run's "auto" there."""
+    (``scaled_mm``) rather than a race of fake kernels. ``precision.param_dtype=auto`` is
+    resolved for the device this process runs on (``_param_dtype``), a plan's too: a plan
+    made on a CPU is of a CPU run, as tests/test_planner.py checks it (set
+    ``precision.param_dtype=bf16`` there to plan what "auto" is on CUDA at te and O1-O3)."""
     fam = get_family(cfg.family)
     groups, device = init_distributed(
         cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.backend
