@@ -184,3 +184,34 @@ def test_largest_fitting_doubles_then_bisects():
     assert ok <= 37 < bad and bad - ok <= max(1, int(ok * 0.1)) and len(tried) < exact
     assert largest_fitting(lambda n: True, 3, 20, 0.1, math.inf) == (20, None)
     assert largest_fitting(lambda n: False, 4, 20, 0.1, math.inf) == (0, 1)
+
+
+def test_gpu_call_plan(tmp_path):
+    """tools/gpu_call.sh's decisions: compiled rows whose check failed are dropped, building
+    on the device is kept only if the eager check row ran, and the follow-up call runs the
+    rows the first did not finish (not those that failed for a reason of their own)."""
+    from tools import gpu_call_plan
+
+    def row(level, status, compiled=False, **extra):
+        name = f"fp8train {level}" + (" + compile" if compiled else "")
+        return {"kind": "project", "level": level, "name": name, "compile": compiled,
+                "status": status, **extra}  # fmt: skip
+
+    ok = {"step_s": 0.1, "warmup_s": [30.0], "graphs": 1, "graph_breaks": 0}
+    check = tmp_path / "check.json"
+    rows = [row("bf16", "ok", True, **ok), row("O3:bf16", "failed: Unsupported: x", True),
+            row("O1:bf16", "failed: timed out after 150 s", True),
+            row("bf16", "failed: RuntimeError: y", build_on_device=True)]  # fmt: skip
+    check.write_text(json.dumps({"rows_so_far": rows}))
+    lines = gpu_call_plan.check([str(check), str(tmp_path / "missing.json")])
+    assert lines[0].startswith("fp8train bf16 + compile: ok, graphs 1 (breaks 0)")
+    assert lines[-2:] == ["DROP O3:bf16+compile", "BUILD_ON_DEVICE 0"]
+
+    run = tmp_path / "levels.json"
+    done = [row("bf16", "ok", True), row("te:bf16", "failed: Unsupported: z", True),
+            row("bf16", "failed: timed out after 85 s"),
+            row("te:bf16", "not run: out of time")]  # fmt: skip
+    run.write_text(json.dumps({"rows": done}))
+    tokens = ["bf16+compile", "te:bf16+compile", "bf16", "te:bf16", "O2:bf16"]
+    assert gpu_call_plan.rest(str(run), tokens) == ["bf16", "te:bf16", "O2:bf16"]
+    assert gpu_call_plan.rest(str(tmp_path / "none.json"), tokens) == tokens

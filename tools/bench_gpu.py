@@ -67,7 +67,15 @@ from tools.bench_gpu_linear import linear_rows  # noqa: E402
 from tools.bench_gpu_max_size import search_level  # noqa: E402
 from tools.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
 
-__all__ = ["BASELINES", "DEFAULT_LEVELS", "LEVELS", "main", "row_specs", "saved_report"]
+__all__ = [
+    "BASELINES",
+    "DEFAULT_LEVELS",
+    "LEVELS",
+    "main",
+    "row_specs",
+    "row_token",
+    "saved_report",
+]
 
 # "level:bf16" = the level with precision.param_dtype=bf16 (BF16 activations between the FP8
 # GEMMs, as Transformer Engine runs them); the plain FP8 levels keep FP32 there.
@@ -107,7 +115,7 @@ def _save_json(args, body: dict) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 
-def _row_token(text: str) -> str:
+def _parse_row(text: str) -> str:
     """``--rows``: LEVEL or BASELINE, optionally with ``+compile``."""
     name = text.removesuffix(COMPILED)
     if name not in LEVELS and name not in BASELINES:
@@ -325,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     lv.add_argument(
         "--rows",
         nargs="+",
-        type=_row_token,
+        type=_parse_row,
         metavar="ROW",
         help="LEVEL[+compile] or BASELINE[+compile], in the order to run them (replaces "
         "--levels, --baselines and --compile)",
@@ -401,7 +409,7 @@ def saved_report(data: dict) -> str | None:
     )
 
 
-def _token(row: dict) -> str:
+def row_token(row: dict) -> str:
     """A levels row's ``--rows`` token, from its spec."""
     if row["kind"] == "project":
         name = row["level"]
@@ -422,7 +430,7 @@ def merge_runs(runs: list[dict]) -> dict:
             kept = by_name.get(row["name"])
             if kept is None or kept["status"] != "ok":
                 by_name[row["name"]] = row
-    rows = sorted(by_name.values(), key=lambda r: _display_key(_token(r)))
+    rows = sorted(by_name.values(), key=lambda r: _display_key(row_token(r)))
     rows = [{**r, "order": i} for i, r in enumerate(rows)]
     env = dict(runs[0]["environment"])
     env["command"] = "`, then `".join(r["environment"]["command"] for r in runs)

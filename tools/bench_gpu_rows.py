@@ -529,7 +529,8 @@ def measure_row(spec: dict) -> dict:
         if _out_of_memory(err):
             return {**spec, "status": "OOM"}
         traceback.print_exc()
-        return {**spec, "status": f"failed: {type(err).__name__}: {str(err)[:160]}"}
+        why = " ".join(str(err).split())[:160]  # one line: it is a table cell
+        return {**spec, "status": f"failed: {type(err).__name__}: {why}"}
 
 
 def run_row(spec: dict, in_process: bool, timeout: float) -> dict:
@@ -543,7 +544,10 @@ def run_row(spec: dict, in_process: bool, timeout: float) -> dict:
         return {**spec, "status": f"failed: timed out after {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(ROW_PREFIX):
-            return json.loads(line[len(ROW_PREFIX) :])
+            row = json.loads(line[len(ROW_PREFIX) :])
+            if row["status"] != "ok":
+                sys.stderr.write(proc.stderr[-4000:])  # the traceback, for the call's log
+            return row
     sys.stderr.write(proc.stderr[-4000:])
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     why = "killed (host out of memory?)" if proc.returncode == -9 else last[:160]

@@ -120,7 +120,8 @@ def levels_table(rows: list[dict], info: dict) -> str:
     lines = [LEVELS_HEAD, "|---" * LEVELS_HEAD.count(" | ") + "|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " - |" * 14)
+            status = " ".join(r["status"].replace("|", "/").split())
+            lines.append(f"| {r['name']} | {status} |" + " - |" * 14)
             continue
         own = peak_tflops(info, r["gemm"])
         warm = r.get("warmup_s") or [None]
