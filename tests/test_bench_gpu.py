@@ -124,13 +124,14 @@ def test_level_rows_specs_and_time_limit(tmp_path, capsys):
     ]  # fmt: skip
     assert [s["order"] for s in specs] == list(range(6))
     assert [s["timeout"] for s in specs] == [600, 600, 600, 600, 600, 200]
+    assert [s["needs_s"] for s in specs] == [15, 15, 15, 15, 15, 150]
     assert all(s["kind"] == "project" for s in specs[:2]) and specs[1]["level"] == "te:bf16"
     with pytest.raises(SystemExit):
         bench_gpu._parser().parse_args(["levels", "--rows", "te:bf16+eager"])
     argv = ["levels", "--size", "tiny", "--rows", "plain", "bf16", "--time-limit", "1"]
     rows, table = _run(tmp_path, capsys, *argv)
-    assert [r["status"] for r in rows] == ["not run: out of time"] * 2
-    assert "| fp8train bf16 | not run: out of time |" in table
+    assert [r["status"] for r in rows] == ["not run: out of time (1 s left, needs 15)"] * 2
+    assert "| fp8train bf16 | not run: out of time (1 s left, needs 15) |" in table
 
 
 def test_linear_rows_and_write(tmp_path, capsys):

@@ -174,24 +174,27 @@ def row_specs(args) -> list[dict]:
             recipe = name.split("-", 1)[1] if name.startswith("torchao") else None
             label = f"torchao float8 {recipe}" if recipe else "PyTorch bf16"
             spec.update(kind="plain", name=label + suffix, recipe=recipe)
-        timeout = args.compile_row_timeout if compiled else args.row_timeout
+        timeout, needs = (args.compile_row_timeout if compiled else args.row_timeout), 15.0
         if compiled and spec.get("recipe"):
-            timeout = args.torchao_compile_timeout  # its compile alone took ~110 s on an H200
-        specs.append({**spec, "timeout": timeout})
+            # Its compile alone took ~110 s on an H200: not started with less than 150 s left.
+            timeout, needs = args.torchao_compile_timeout, min(150.0, args.torchao_compile_timeout)
+        specs.append({**spec, "timeout": timeout, "needs_s": needs})
     return specs
 
 
 def _run_rows(args, specs: list[dict]) -> list[dict]:
-    """Each row under its own timeout, cut to what ``--time-limit`` leaves: a row it cannot
-    start keeps its line in the table ("not run: ..."), and the parent always writes its
-    report (a device call's own ``timeout`` is then only a safety net)."""
+    """Each row under its own timeout, cut to what ``--time-limit`` leaves: a row started
+    with less than it needs (``needs_s``) would only be killed, so it keeps its line in the
+    table ("not run: ...") and later rows still run; the parent always writes its report (a
+    device call's own ``timeout`` is then only a safety net)."""
     start, rows = time.monotonic(), []
     for spec in specs:
         timeout = spec["timeout"]
         if args.time_limit:
             left = args.time_limit - (time.monotonic() - start)
-            if left < 15:
-                rows.append(_finish(args, {**spec, "status": "not run: out of time"}))
+            if left < spec["needs_s"]:
+                why = f"not run: out of time ({left:.0f} s left, needs {spec['needs_s']:.0f})"
+                rows.append(_finish(args, {**spec, "status": why}))
                 continue
             timeout = min(timeout, left - 5)
         began = time.monotonic()
