@@ -124,7 +124,7 @@ def test_level_rows_specs_and_time_limit(tmp_path, capsys):
     ]  # fmt: skip
     assert [s["order"] for s in specs] == list(range(6))
     assert [s["timeout"] for s in specs] == [600, 600, 600, 600, 600, 200]
-    assert [s["needs_s"] for s in specs] == [15, 15, 15, 15, 15, 150]
+    assert [s["needs_s"] for s in specs] == [15, 30, 15, 60, 15, 150]
     assert all(s["kind"] == "project" for s in specs[:2]) and specs[1]["level"] == "te:bf16"
     with pytest.raises(SystemExit):
         bench_gpu._parser().parse_args(["levels", "--rows", "te:bf16+eager"])

@@ -174,10 +174,14 @@ def row_specs(args) -> list[dict]:
             recipe = name.split("-", 1)[1] if name.startswith("torchao") else None
             label = f"torchao float8 {recipe}" if recipe else "PyTorch bf16"
             spec.update(kind="plain", name=label + suffix, recipe=recipe)
-        timeout, needs = (args.compile_row_timeout if compiled else args.row_timeout), 15.0
+        # needs_s: the least time worth starting the row with at 1.3B on an H200 (an eager
+        # row took 20-60 s; a compile adds tens of seconds per layer graph, about a minute
+        # for the whole plain model, and took ~110 s for torchao's).
+        timeout = args.compile_row_timeout if compiled else args.row_timeout
+        needs = 30.0 if spec["kind"] == "project" else 60.0
         if compiled and spec.get("recipe"):
-            # Its compile alone took ~110 s on an H200: not started with less than 150 s left.
-            timeout, needs = args.torchao_compile_timeout, min(150.0, args.torchao_compile_timeout)
+            timeout, needs = args.torchao_compile_timeout, 150.0
+        needs = min(needs, timeout) if compiled else 15.0
         specs.append({**spec, "timeout": timeout, "needs_s": needs})
     return specs
 
