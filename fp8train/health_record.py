@@ -1,10 +1,11 @@
 """``HealthRecord``: where an FP8 linear's tracked pass leaves its cast health.
 
 A fixed set of named slots in one device tensor, written in place by the casts of a tracked
-pass (``Linear.track_health``), with a flag per slot saying it was ever written. A dict filled in the backward was a Python side effect that ``torch.compile``
-cannot trace; in-place writes into a tensor the graph closes over are ordinary graph
-mutations, so a compiled layer measures health like an eager one (on a graph of its own,
-taken on logging steps only). Reading is for logging.
+pass (``Linear.track_health``), with a flag per slot saying it was ever written. A dict filled
+in the backward was a Python side effect that ``torch.compile`` cannot trace; in-place writes
+into a tensor the graph closes over are ordinary graph mutations, so a compiled layer measures
+health like an eager one (on a graph of its own, taken on logging steps only). Reading is for
+logging.
 """
 
 from __future__ import annotations

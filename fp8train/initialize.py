@@ -18,6 +18,7 @@ from .linear import Linear
 from .optim import LowBitAdamW
 from .precision import PrecisionRecipe, get_recipe
 from .scaling import ScalingRecipe
+from .scaling_table import attach
 
 __all__ = ["initialize"]
 
@@ -114,6 +115,7 @@ def initialize(
     if _convert_linears(model, recipe, scaling, mapping) == 0:
         raise TypeError("fp8train.initialize: the model has no nn.Linear layer to convert")
     lower_linear_weights(model)  # new Parameter objects at O1-O3: map through the modules
+    attach(model)  # one bulk scaling update per forward for every linear
     groups = []
     for group in optimizer.param_groups:
         params = []

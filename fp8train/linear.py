@@ -41,7 +41,7 @@ from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
-from .scaling import ScalingRecipe, ScalingState
+from .scaling import ScalingRecipe, ScalingState, fold
 from .tensor import Float8Tensor
 
 __all__ = [
@@ -123,10 +123,10 @@ def _quantize(
     scale: torch.Tensor | None = None,
 ) -> Float8Tensor:
     if scale is None:
-        scale = state.scale_for(x.detach().abs().amax(), update=update)
-    q = Float8Tensor.quantize(x.detach(), state.fmt, scale)
+        scale = state.cast_scale(x.abs().amax(), update=update)
+    q = Float8Tensor.quantize(x, state.fmt, scale)
     if health is not None:
-        _record_health(health, role, x.detach(), q, scale)
+        _record_health(health, role, x, q, scale)
     return q
 
 
@@ -142,10 +142,10 @@ def _forward_quantize(
     if replay:
         # The original forward already updated the state and measured cast health.
         return _quantize(x, state, False, None, role, scale=log.replay(state))
-    amax = x.detach().abs().amax()
+    amax = x.abs().amax()
     if amax_sync is not None:
         amax = amax_sync(amax)
-    scale = state.scale_for(amax, update=update)
+    scale = state.cast_scale(amax, update=update)
     if torch.compiler.is_compiling():
         scale = torch.ops.fp8train.forward_scale(scale)  # kept for a compiled recompute
     if log is not None:
@@ -199,11 +199,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         weight,
         bias,
         wgrad_sink,
+        w8_data,
+        w8_scale_inv,
         x_state,
         w_state,
         g_state,
         update,
-        w_scale_inv,
         health,
         input_comm=None,
         backend="emulated",
@@ -215,11 +216,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         x8 = _forward_quantize(x, x_state, update, health, "input", amax_sync=sync)
         if input_comm is not None:
             x8 = Float8Tensor(input_comm.gather(x8.data), x8.scale_inv, E4M3)  # all rows
-        if weight.dtype == E4M3.dtype:  # O3: the stored weight already is FP8 with its scale
-            w8 = Float8Tensor(weight.detach(), w_scale_inv, E4M3)
-        else:  # fp32 (te) or tensor-scaled fp16 (O1/O2)
-            w_hp = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
-            w8 = _forward_quantize(w_hp, w_state, update, health, "weight")
+        # Linear.weight_fp8; None at O3, where the stored weight is the FP8 operand (one
+        # tensor is not passed twice: compile refuses duplicate inputs).
+        w8 = Float8Tensor(weight if w8_data is None else w8_data, w8_scale_inv, E4M3)
+        if update and not x_state.managed:  # no model table folds them: fold them now
+            fold([x_state, w_state])
         y = fp8_gemm(x8, w8, out_dtype=torch.float32, backend=backend)
         if bias is not None:
             y = y + bias.float()
@@ -240,6 +241,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_x or need_w:
             g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output")
+            if ctx.update and not ctx.g_state.managed:
+                fold([ctx.g_state])
             if need_x:
                 dx = fp8_gemm(g8, w8.t(), out_dtype=x_dtype, backend=ctx.backend)  # [M,N]·[N,K]
                 if ctx.input_comm is not None:
@@ -252,7 +255,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         # FP8 weight-gradient levels: the FP32 weight gradient goes to the slot's sink (its
         # hook accumulates it into the FP8 slot), the weight itself gets none from autograd.
         dw, dsink = (None, dw) if ctx.sink else (dw, None)
-        return dx, dw, db, dsink, None, None, None, None, None, None, None, None
+        return dx, dw, db, dsink, None, None, None, None, None, None, None, None, None, None
 
 
 class Linear(nn.Module):
@@ -293,6 +296,9 @@ class Linear(nn.Module):
         # reads a string, so a compiled step holds no lookup of a global or the environment.
         self.gemm_backend: str | None = None
         self._backend_device: str | None = None
+        # The weight's FP8 cast, kept for the micro-batches of one step (weight_fp8).
+        self.reuse_weight_cast = False
+        self._weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None
         self.health: HealthRecord | None = None
         if self.fp8:
             self.health = HealthRecord(health_keys(ROLES, self.scaling.granularity), device)
@@ -374,6 +380,42 @@ class Linear(nn.Module):
         self.gemm_backend = select_gemm_backend(kind)
         self._backend_device = kind
 
+    def weight_fp8(self, health: HealthRecord | None = None) -> Float8Tensor:
+        """The weight as the forward GEMM reads it: FP8 E4M3 with its scale (per tensor).
+
+        O3 stores it so. Otherwise it is cast (delayed scaling, role ``weight``), and in
+        training the cast is kept: with ``reuse_weight_cast`` set, as for every micro-batch
+        of a step but the first (the weight changes only at the optimizer step), the kept
+        cast is read again, so the weight is cast once per step (Transformer Engine's
+        ``is_first_microbatch``); ``release_weight_cast`` drops it after the step. A compiled
+        layer casts again with the scale of the first cast: the same bytes."""
+        scale_inv = getattr(self, "weight_scale_inv", None)
+        if self.weight.dtype == E4M3.dtype:
+            return Float8Tensor(self.weight, scale_inv, E4M3)
+        compiling = torch.compiler.is_compiling()
+        reuse = self.training and self.reuse_weight_cast
+        if reuse and self._weight_cast is not None and health is None:
+            return Float8Tensor(*self._weight_cast[:2], E4M3)
+        with torch.no_grad():  # fp32 (te) or tensor-scaled fp16 (O1/O2)
+            w = self.weight if scale_inv is None else self.weight.float() * scale_inv
+            if reuse:
+                # Compiled, where a graph keeps no Python state, or a logging step measuring
+                # the cast's health: the first micro-batch's cast again, with the scale it
+                # used (the state's latest), recording nothing in the scaling state.
+                scale = self.fp8_weight.scale
+                if compiling:
+                    scale = torch.ops.fp8train.forward_scale(scale)
+                return _quantize(w, self.fp8_weight, False, health, "weight", scale=scale)
+            w8 = _forward_quantize(w, self.fp8_weight, self.training, health, "weight")
+        if self.training and not compiling:
+            self._weight_cast = (w8.data, w8.scale_inv)
+        return w8
+
+    def release_weight_cast(self) -> None:
+        """Drop the kept weight cast (its memory) and stop reusing it."""
+        self._weight_cast = None
+        self.reuse_weight_cast = False
+
     def _wgrad_sink(self) -> torch.Tensor | None:
         """The sink of the weight's FP8 gradient slot (O1-O3), where backward hands the FP32
         weight gradient (``Fp8GradSlot.sink``); None where autograd fills ``weight.grad``."""
@@ -408,17 +450,20 @@ class Linear(nn.Module):
         if self.scaling.granularity != "tensor":
             return self._blockwise_forward(x, input_comm)
         lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
+        health = self.health if self.track_health else None
+        w8 = self.weight_fp8(health)
         y = Fp8LinearFunction.apply(
             x.reshape(-1, self.in_features),
             self.weight,
             self.bias,
             self._wgrad_sink(),
+            None if w8.data is self.weight else w8.data,
+            w8.scale_inv,
             self.fp8_input,
             self.fp8_weight,
             self.fp8_grad_output,
             self.training,
-            getattr(self, "weight_scale_inv", None),
-            self.health if self.track_health else None,
+            health,
             input_comm,
             self.gemm_backend,
         )

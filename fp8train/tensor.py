@@ -39,7 +39,9 @@ class Float8Tensor:
         cls, x: torch.Tensor, fmt: FP8Format, scale: torch.Tensor | float = 1.0
     ) -> Float8Tensor:
         """Cast ``x * scale`` (saturating, round-to-nearest-even) and keep ``1 / scale``."""
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if scale.dim():
+            scale = scale.reshape(())
         return cls(cast_to_fp8(x, fmt, scale), scale.reciprocal(), fmt)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -29,10 +29,10 @@ ML = {"E4M3": ml_dtypes.float8_e4m3fn, "E5M2": ml_dtypes.float8_e5m2}
 
 def ref_quantize(x: np.ndarray, fmt, block, margin=0, p2=False):
     """The rule, written again in numpy: per block, amax in float64 (exact: a max), scale in
-    IEEE float32 as torch computes ``fmt.max / amax`` (a correctly rounded reciprocal, then a
-    product), clamped to [2^-126, 2^126], optionally rounded down to a power of two; a block
-    with amax 0 keeps scale 1; the value times the scale in float32, saturated, cast by
-    ml_dtypes."""
+    IEEE float32 as fp8train.scaling computes it (``fmt.max / 2**margin`` divided by amax, one
+    correctly rounded division), for amaxes whose scale lies in [2^-126, 2^126], optionally
+    rounded down to a power of two; a block with amax 0 (or one out of that range) keeps
+    scale 1; the value times the scale in float32, saturated, cast by ml_dtypes."""
     r, c = x.shape
     br, bc = min(block[0], r), min(block[1], c)
     out = np.zeros((r, c), dtype=np.uint8)
@@ -41,10 +41,10 @@ def ref_quantize(x: np.ndarray, fmt, block, margin=0, p2=False):
         for j in range(scales.shape[1]):
             tile = x[i * br : (i + 1) * br, j * bc : (j + 1) * bc].astype(np.float32)
             amax = np.float32(np.abs(tile).max())
-            if amax > 0 and np.isfinite(amax):
-                s = (np.float32(1) / amax) * np.float32(fmt.max)
-                s = s / np.float32(2.0**margin)
-                s = np.clip(s, np.float32(2.0**-126), np.float32(2.0**126))
+            top = fmt.max / 2.0**margin
+            highest = min(top * 2.0**126, float(np.finfo(np.float32).max))
+            if top * 2.0**-126 <= float(amax) <= highest:
+                s = np.float32(top) / amax
                 if p2:
                     s = np.float32(2.0 ** np.floor(np.log2(np.float64(s))))
             else:

@@ -164,8 +164,7 @@ def _dequant64(case: str, inputs) -> np.ndarray:
 def _reference_scale(amax: np.ndarray) -> np.ndarray:
     """The project's compute_scale (unit-tested on its own) of the numpy max-over-ranks amax.
 
-    Not re-derived here: torch evaluates ``448 / amax`` as ``reciprocal(amax) * 448``, which is
-    not numpy's correctly rounded division, and the scale's formula is not what is under test.
+    Not re-derived here: the scale's formula is not what is under test.
     """
     return compute_scale(torch.from_numpy(amax), E4M3).numpy()
 

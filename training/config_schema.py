@@ -75,7 +75,7 @@ class TrainingConfig(_Section):
     compile: bool | None = _f(
         None,
         "Compile each transformer layer with torch.compile (fullgraph=True without tensor "
-        "parallelism; see docs/ARCHITECTURE.md, \"Compiled step\"): null = on for CUDA, off "
+        'parallelism; see docs/ARCHITECTURE.md, "Compiled step"): null = on for CUDA, off '
         "on the CPU, whose eager step is the exact reference and where compiling costs "
         "tens of seconds.",
     )

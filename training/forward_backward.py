@@ -5,18 +5,23 @@ its tokens, divided by the number of micro-batches, Megatron's normalisation) is
 in turn. With it, the same per-micro-batch losses are computed on the last stage and the
 schedule's op list (``parallel/pipeline``) decides the order; every gradient is the same sum of
 the same terms, so pipeline=P equals pipeline=1.
+
+FP8 scaling moves in one bulk update per pass (``fp8train.scaling_table``): after every
+micro-batch's forward and after its backward, whatever the schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
+from weakref import WeakKeyDictionary
 
 import torch
 
 from fp8train.linear import Linear
+from fp8train.scaling_table import ScalingTable
 from parallel.pipeline import schedule_ops
 
-__all__ = ["forward_backward", "forward_only", "new_totals", "track_health"]
+__all__ = ["forward_backward", "forward_only", "new_totals", "scaling_table", "track_health"]
 
 
 def _autocast(state):
@@ -24,6 +29,18 @@ def _autocast(state):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+_TABLES: WeakKeyDictionary = WeakKeyDictionary()  # model -> its ScalingTable
+
+
+def scaling_table(model) -> ScalingTable:
+    """The model's scaling table, made at its first training pass (the module tree does not
+    change after setup)."""
+    table = _TABLES.get(model)
+    if table is None:
+        table = _TABLES[model] = ScalingTable(model)
+    return table
 
 
 def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -> torch.Tensor:
@@ -43,12 +60,28 @@ def new_totals(state) -> torch.Tensor:
     return torch.zeros(2 * len(state.metrics), device=state.device)
 
 
-def track_health(state, on: bool) -> None:
-    """Switch FP8 underflow/saturation measurement of every FP8 linear on or off."""
+def _fp8_linears(state) -> list[Linear]:
     if state.fp8_linears is None:  # found once: the module tree does not change
         state.fp8_linears = [m for m in state.model.modules() if isinstance(m, Linear) and m.fp8]
-    for module in state.fp8_linears:
+    return state.fp8_linears
+
+
+def track_health(state, on: bool) -> None:
+    """Switch FP8 underflow/saturation measurement of every FP8 linear on or off."""
+    for module in _fp8_linears(state):
         module.track_health = on
+
+
+def _reuse_weight_casts(state, micro: int) -> None:
+    """The FP8 weights are cast by a step's first micro-batch and read again by the others
+    (``Linear.weight_fp8``): the weights change only at the optimizer step."""
+    for module in _fp8_linears(state):
+        module.reuse_weight_cast = micro > 0
+
+
+def _release_weight_casts(state) -> None:
+    for module in _fp8_linears(state):
+        module.release_weight_cast()
 
 
 def forward_backward(state, batches: list[dict], health: bool = False) -> torch.Tensor:
@@ -68,22 +101,28 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
         # The micro-batch's mean, averaged over micro-batches (Megatron), loss-scaled.
         return scaler.scale(_loss_sums(state, output, batch, totals) / n_micro)
 
+    table = scaling_table(model)
     try:
         if state.engine is None:
             for micro, batch in enumerate(batches):
                 track_health(state, health and micro == n_micro - 1)
+                _reuse_weight_casts(state, micro)
                 with _autocast(state):
                     output = model.forward_chunk(0, None, family.model_inputs(batch))
+                table.fold()
                 loss_of(output, batch).backward()
+                table.fold()
             return totals
         layout = state.engine.layout
 
         def forward(chunk: int, micro: int, hidden):
             if health and micro == n_micro - 1:
                 track_health(state, True)
+            _reuse_weight_casts(state, micro)
             batch = batches[micro]
             with _autocast(state):
                 out = model.forward_chunk(chunk, hidden, family.model_inputs(batch))
+            table.fold()
             return loss_of(out, batch) if layout.has_head(chunk) else out
 
         ops = schedule_ops(
@@ -93,10 +132,11 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
             n_micro,
             layout.virtual,
         )
-        state.engine.run(ops, forward)
+        state.engine.run(ops, forward, after_backward=table.fold)
         return totals
     finally:
         track_health(state, False)
+        _release_weight_casts(state)
 
 
 @torch.no_grad()

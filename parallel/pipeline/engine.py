@@ -90,8 +90,10 @@ class PipelineEngine:
         ops: list[Op],
         forward: Callable[[int, int, torch.Tensor | None], torch.Tensor],
         backward: bool = True,
+        after_backward: Callable[[], None] | None = None,
     ) -> None:
-        """Run ``ops`` (forward-only when ``backward`` is False: no graph, nothing stored)."""
+        """Run ``ops`` (forward-only when ``backward`` is False: no graph, nothing stored);
+        ``after_backward`` is called after each backward op (the FP8 scaling update)."""
         layout, groups = self.layout, self.groups
         stage = layout.rank
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -121,6 +123,8 @@ class PipelineEngine:
                 else:
                     grad = self._recv(groups.next_rank(stage), groups.gradients)
                     torch.autograd.backward(out, grad_tensors=grad)
+                if after_backward is not None:
+                    after_backward()
                 if not first:
                     self._send(
                         x.grad, groups.prev_rank(stage), groups.gradients, "pipeline_send_gradients"
