@@ -156,6 +156,35 @@ def _gemm_scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) ->
     return call_scaled_mm(mat1, mat2, a.scale_inv, b.scale_inv, out_dtype)
 
 
+def _fuses_bias(a: Float8Tensor, out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
+    """Whether cuBLASLt adds ``bias`` itself (its epilogue): on CUDA, for a 16-bit output and
+    a bias of that dtype. Elsewhere the GEMM writes FP32 and the bias is added in FP32 before
+    the one rounding to ``out_dtype``, the CPU reference's order."""
+    on_cuda = a.data.device.type == "cuda"
+    return on_cuda and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+
+
+def _gemm_cublas(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """CUDA's ``torch._scaled_mm``, writing ``out_dtype`` directly, with the bias and the
+    accumulation mode the caller asks for."""
+    mat2 = b.data.contiguous().t()  # column-major [K, N]
+    return torch._scaled_mm(
+        a.data.contiguous(),
+        mat2,
+        scale_a=a.scale_inv,
+        scale_b=b.scale_inv,
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
 def _gemm_scaled_mm_rowwise(
     a: BlockFloat8Tensor, b: BlockFloat8Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -204,13 +233,20 @@ def fp8_gemm(
     b: Float8Tensor | BlockFloat8Tensor,
     out_dtype: torch.dtype = torch.float32,
     backend: str | None = None,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``a @ b.T`` with scales applied: a [M, K], b [N, K] -> [M, N] in ``out_dtype``.
+    """``a @ b.T (+ bias)`` with scales applied: a [M, K], b [N, K] -> [M, N] in ``out_dtype``.
 
     Per-tensor operands (``Float8Tensor``) or per-row/per-block ones (``BlockFloat8Tensor``,
     both sides alike). ``backend`` None means the selected one for a's device (see
     ``select_gemm_backend``); row-wise operands take ``torch._scaled_mm`` where it accepts
     them, block-wise ones always the exact emulation (``blockwise.block_gemm``).
+
+    ``bias`` [N]: added before the one rounding to ``out_dtype``; on CUDA, per tensor with a
+    16-bit output, inside the GEMM (``_fuses_bias``). ``fast_accum``: cuBLASLt's faster,
+    less often promoted FP8 accumulation (Transformer Engine and torchao take it for the
+    forward GEMM only); ignored by the CPU and the emulation.
     """
     if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}.T does not fit")
@@ -219,12 +255,25 @@ def fp8_gemm(
     if any(blocked):
         if not all(blocked):
             raise TypeError("fp8_gemm: both operands per tensor, or both per row/block")
+        if bias is not None:
+            return (fp8_gemm(a, b, torch.float32, backend) + bias.float()).to(out_dtype)
         if backend == "scaled_mm" and _rowwise_fits_scaled_mm(a, b, out_dtype):
             return _gemm_scaled_mm_rowwise(a, b, out_dtype)
         return block_gemm(a, b, out_dtype)
     if backend == "scaled_mm" and _fits_scaled_mm(a, b):
-        return _gemm_scaled_mm(a, b, out_dtype)
-    return _gemm_emulated(a, b, out_dtype)
+        if a.data.device.type == "cuda":
+            fused = bias is not None and _fuses_bias(a, out_dtype, bias)
+            if bias is None or fused:
+                return _gemm_cublas(a, b, out_dtype, bias, fast_accum)
+            return (_gemm_cublas(a, b, torch.float32, None, fast_accum) + bias.float()).to(
+                out_dtype
+            )
+        gemm = _gemm_scaled_mm
+    else:
+        gemm = _gemm_emulated
+    if bias is None:
+        return gemm(a, b, out_dtype)
+    return (gemm(a, b, torch.float32) + bias.float()).to(out_dtype)
 
 
 def _time_ms(fn, device: torch.device, reps: int) -> float:

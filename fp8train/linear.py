@@ -208,6 +208,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         health,
         input_comm=None,
         backend="emulated",
+        fast_accum=False,
     ):
         # input_comm (sequence parallelism): x is this rank's rows; they are cast with a scale
         # agreed over the group, the FP8 bytes all-gathered (1 byte per element on the wire),
@@ -221,15 +222,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         w8 = Float8Tensor(weight if w8_data is None else w8_data, w8_scale_inv, E4M3)
         if update and not x_state.managed:  # no model table folds them: fold them now
             fold([x_state, w_state])
-        y = fp8_gemm(x8, w8, out_dtype=torch.float32, backend=backend)
-        if bias is not None:
-            y = y + bias.float()
+        # The activation's dtype written directly, the bias added before its one rounding
+        # (inside the GEMM on CUDA).
+        y = fp8_gemm(x8, w8, x.dtype, backend, bias=bias, fast_accum=fast_accum)
         ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
         ctx.g_state, ctx.update, ctx.health = g_state, update, health
         ctx.backend, ctx.sink = backend, wgrad_sink is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.input_comm = input_comm
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, g):
@@ -255,7 +256,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         # FP8 weight-gradient levels: the FP32 weight gradient goes to the slot's sink (its
         # hook accumulates it into the FP8 slot), the weight itself gets none from autograd.
         dw, dsink = (None, dw) if ctx.sink else (dw, None)
-        return dx, dw, db, dsink, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, dsink, *[None] * 11
 
 
 class Linear(nn.Module):
@@ -466,6 +467,7 @@ class Linear(nn.Module):
             health,
             input_comm,
             self.gemm_backend,
+            self.scaling.fast_accum,
         )
         return y.reshape(*lead, self.out_features)
 

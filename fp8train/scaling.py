@@ -55,6 +55,8 @@ class ScalingRecipe:
     GEMM operand, fp8train/blockwise.py; current scaling only).
     grad_format: the output gradient's FP8 format, "e5m2" (the hybrid recipe) or "e4m3" (the
     block recipes' choice: DeepSeek-V3, Transformer Engine's block scaling).
+    fast_accum: the forward GEMM takes cuBLASLt's fast FP8 accumulation (Transformer Engine's
+    and torchao's default; the two backward GEMMs never do). CUDA only.
     """
 
     mode: str = "delayed"
@@ -64,6 +66,7 @@ class ScalingRecipe:
     warmup_steps: int = 1  # delayed scaling uses current scaling for this many first steps
     granularity: str = "tensor"
     grad_format: str = "e5m2"
+    fast_accum: bool = True
 
     def __post_init__(self):
         if self.mode not in ("delayed", "current"):

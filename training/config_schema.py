@@ -183,6 +183,11 @@ class PrecisionConfig(_Section):
         "FP8 format of the output gradient: e5m2 (the hybrid recipe) or e4m3 (the block "
         "recipes' choice).",
     )
+    fp8_fast_accum: bool = _f(
+        True,
+        "The forward FP8 GEMM uses cuBLASLt's fast accumulation (Transformer Engine's and "
+        "torchao's default; the backward GEMMs never do). CUDA only.",
+    )
     fp8_gemm_backend: Literal["auto", "scaled_mm", "emulated"] = _f(
         "auto", "auto = torch._scaled_mm where it works, else emulated (cast, then GEMM)."
     )

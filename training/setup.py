@@ -111,6 +111,7 @@ def scaling_recipe(cfg: Config) -> ScalingRecipe:
         power_of_two=p.fp8_power_of_two,
         granularity=p.fp8_granularity,
         grad_format=p.fp8_grad_format,
+        fast_accum=p.fp8_fast_accum,
     )
 
 
