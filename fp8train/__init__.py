@@ -3,10 +3,10 @@
     model, optimizer = fp8train.initialize(model, optimizer, opt_level="O2")
 
 The ladder, bottom up: formats (FP8 dtypes, saturating casts) -> scaling (per-tensor scales,
-delayed and current) -> tensor (Float8Tensor) -> gemm (scaled_mm or exact emulation) -> linear
+delayed and current) -> precision (the level table every layer reads, each row with its
+scaling recipe) -> tensor (Float8Tensor) -> gemm (scaled_mm or exact emulation) -> linear
 (the FP8 linear with its three GEMMs) -> low_precision (scaled FP16/FP8 storage, FP8 gradient
-slots) -> optim (low-bit AdamW) -> precision (the level table every layer reads) -> initialize
-and audit.
+slots) -> optim (low-bit AdamW) -> initialize and audit.
 """
 
 from __future__ import annotations

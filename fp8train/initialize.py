@@ -25,7 +25,7 @@ __all__ = ["initialize"]
 _LEVELS = ("te", "O1", "O2", "O3")
 
 
-def _convert_linears(model: nn.Module, recipe: PrecisionRecipe, scaling, mapping: dict) -> int:
+def _convert_linears(model: nn.Module, recipe: PrecisionRecipe, mapping: dict) -> int:
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.MultiheadAttention):
@@ -55,7 +55,6 @@ def _convert_linears(model: nn.Module, recipe: PrecisionRecipe, scaling, mapping
                 child.out_features,
                 bias=child.bias is not None,
                 recipe=recipe,
-                scaling=scaling,
                 device=child.weight.device,
             )
             with torch.no_grad():
@@ -99,20 +98,22 @@ def initialize(
 ):
     """Convert ``model`` in place and return ``(model, optimizer)`` for ``opt_level``.
 
-    opt_level: "te" (FP8 GEMMs only), "O1", "O2" or "O3" (the precision table). The returned
-    optimizer reads FP8 weight gradients from each weight's gradient slot
-    (``fp8train.param_state.grad_slot``, the ``main_grad`` attribute) and zeroes them in
-    ``zero_grad()``; use it exactly like the one passed in.
+    opt_level: "te" (FP8 GEMMs only), "O1", "O2" or "O3" (the precision table). scaling: how
+    the FP8 scales are chosen (None: ``ScalingRecipe()``); it becomes the level's recipe's
+    ``scaling``, which every converted linear reads. The returned optimizer reads FP8 weight
+    gradients from each weight's gradient slot (``fp8train.param_state.grad_slot``, the
+    ``main_grad`` attribute) and zeroes them in ``zero_grad()``; use it exactly like the one
+    passed in.
     """
     if opt_level not in _LEVELS:
         raise ValueError(
             f"fp8train.initialize: opt_level={opt_level!r}; choose one of {', '.join(_LEVELS)} "
             "(for bf16/fp16 mixed precision use torch.autocast)"
         )
-    recipe = get_recipe(opt_level)
+    recipe = get_recipe(opt_level, scaling=scaling)
     _check_optimizer(optimizer)
     mapping: dict[int, object] = {}
-    if _convert_linears(model, recipe, scaling, mapping) == 0:
+    if _convert_linears(model, recipe, mapping) == 0:
         raise TypeError("fp8train.initialize: the model has no nn.Linear layer to convert")
     lower_linear_weights(model)  # new Parameter objects at O1-O3: map through the modules
     attach(model)  # one bulk scaling update per forward for every linear

@@ -41,7 +41,7 @@ from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
-from .scaling import ScalingRecipe, ScalingState, fold
+from .scaling import ScalingState, fold
 from .tensor import Float8Tensor
 
 __all__ = [
@@ -263,7 +263,8 @@ class Linear(nn.Module):
     """Drop-in for ``nn.Linear`` (same parameters, same default init) with an FP8 path.
 
     recipe: the precision level; FP8 GEMMs when ``recipe.fp8_gemm``, otherwise plain F.linear.
-    scaling: how FP8 scales are chosen (default ``ScalingRecipe()``: delayed, history 16).
+    Its ``scaling`` says how the FP8 scales are chosen (``get_recipe(level, scaling=...)``;
+    default ``ScalingRecipe()``: delayed, history 16).
     """
 
     def __init__(
@@ -273,7 +274,6 @@ class Linear(nn.Module):
         bias: bool = True,
         *,
         recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
         device=None,
         dtype=None,
     ):
@@ -288,7 +288,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.recipe = recipe
         self.fp8 = recipe is not None and recipe.fp8_gemm
-        self.scaling = (scaling or ScalingRecipe()) if self.fp8 else None
+        self.scaling = recipe.scaling if self.fp8 else None  # read on every cast: kept near
         # Cast health (underflow/saturation fractions) is measured only while track_health is
         # set, e.g. for one micro-batch of a logging step: it costs a pass over each tensor.
         self.track_health = False

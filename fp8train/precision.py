@@ -2,7 +2,8 @@
 
 Rows are levels, fields are the tensor roles of the linear (GEMM) layers (the table in
 README.md, "Precision levels"). Embeddings, norms and biases stay in higher precision at every
-level (``other_params``).
+level (``other_params``). A recipe also carries how its FP8 scales are chosen (``scaling``), so
+a layer takes one object, not two that must travel side by side.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
+from .scaling import ScalingRecipe
 
 __all__ = [
     "LEVELS", "PARAM_DTYPES", "PrecisionRecipe", "get_recipe", "resolve_param_dtype", "split_level",
@@ -21,6 +24,8 @@ class PrecisionRecipe:
     """Dtype of each tensor role of the linear layers at one precision level.
 
     Strings rather than dtypes so the table prints and compares as the design writes it.
+    scaling: how the FP8 scales are chosen (read where ``fp8_gemm``); not a column of the
+    table, so every row carries the default and ``get_recipe`` replaces it.
     """
 
     level: str
@@ -32,6 +37,7 @@ class PrecisionRecipe:
     adam_m: str
     adam_v: str
     other_params: str  # embeddings, norms, biases
+    scaling: ScalingRecipe = ScalingRecipe()  # frozen, so one shared default is safe
 
     @property
     def fp8_gemm(self) -> bool:
@@ -100,9 +106,17 @@ def split_level(spec: str) -> tuple[str, str]:
     return level, param_dtype or "auto"
 
 
-def get_recipe(level: str, param_dtype: str = "auto") -> PrecisionRecipe:
-    """The recipe of ``level`` with its higher-precision parameters in ``param_dtype``;
-    unknown names and combinations fail naming the keys."""
+def get_recipe(
+    level: str, param_dtype: str = "auto", scaling: ScalingRecipe | None = None
+) -> PrecisionRecipe:
+    """The recipe of ``level`` with its higher-precision parameters in ``param_dtype`` and its
+    FP8 scales chosen by ``scaling`` (None: ``ScalingRecipe()``); unknown names and
+    combinations fail naming the keys."""
+    recipe = _level_row(level, param_dtype)
+    return recipe if scaling is None else replace(recipe, scaling=scaling)
+
+
+def _level_row(level: str, param_dtype: str) -> PrecisionRecipe:
     try:
         recipe = LEVELS[level]
     except KeyError:

@@ -1,7 +1,7 @@
 """What every layer of a model needs to know about the run it is built for, in one object.
 
 A model, its blocks and their linears are built against one ``BuildContext`` instead of five
-threaded arguments (recipe, scaling, device, tensor-parallel group, sequence parallelism).
+threaded arguments (recipe, device, tensor-parallel group, sequence parallelism).
 It holds a process group but never calls torch.distributed: parallel/'s layers do that.
 """
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8train.precision import PrecisionRecipe
-from fp8train.scaling import ScalingRecipe
 
 __all__ = ["BuildContext", "tp_size"]
 
@@ -24,10 +23,10 @@ def tp_size(group) -> int:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """recipe: the precision level's recipe (None = plain FP32 linears); scaling: the FP8
-    scaling recipe; device: where parameters are built (None = the default device, "meta" =
-    shapes only); tp_group: the tensor-parallel group (None or a 1-rank group = no TP);
-    sequence_parallel: activations between the GEMMs are sequence shards of that group.
+    """recipe: the precision level's recipe with its FP8 scaling (None = plain FP32 linears);
+    device: where parameters are built (None = the default device, "meta" = shapes only);
+    tp_group: the tensor-parallel group (None or a 1-rank group = no TP); sequence_parallel:
+    activations between the GEMMs are sequence shards of that group.
     materialize: False builds parallel layers without initialising them (their values are
     filled in afterwards, slice by slice, see ``models.base``). initialize: False leaves the
     whole model's values undefined (no initialisation, no replay): what a plan on fake
@@ -37,7 +36,6 @@ class BuildContext:
     traffic beside the data-parallel and pipeline traffic."""
 
     recipe: PrecisionRecipe | None = None
-    scaling: ScalingRecipe | None = None
     device: torch.device | str | None = None
     tp_group: object = None
     sequence_parallel: bool = False
@@ -57,7 +55,7 @@ class BuildContext:
 
     def linear_kwargs(self) -> dict:
         """Keywords for ``fp8train.linear.Linear`` and the parallel linears."""
-        return dict(recipe=self.recipe, scaling=self.scaling, device=self.device)
+        return dict(recipe=self.recipe, device=self.device)
 
     def check_sequence_split(self, seq_length: int) -> None:
         """Sequence parallelism splits the sequence evenly over the tensor-parallel ranks."""
@@ -69,4 +67,4 @@ class BuildContext:
 
     def single(self) -> BuildContext:
         """The same run on one process: no TP, no SP (the reference the slices are cut from)."""
-        return BuildContext(self.recipe, self.scaling, self.device, meter=self.meter)
+        return BuildContext(self.recipe, self.device, meter=self.meter)

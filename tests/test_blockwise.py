@@ -167,7 +167,7 @@ def linear_sqnrs(granularity: str, x: torch.Tensor, grad_format="e5m2") -> list[
     torch.manual_seed(0)
     mode = "delayed" if granularity == "tensor" else "current"
     scaling = ScalingRecipe(mode=mode, granularity=granularity, grad_format=grad_format)
-    layer = Linear(x.shape[1], 160, recipe=get_recipe("te"), scaling=scaling)
+    layer = Linear(x.shape[1], 160, recipe=get_recipe("te", scaling=scaling))
     w = layer.weight.detach().double().requires_grad_()
     xin, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
     g = torch.randn(x.shape[0], 160, generator=torch.Generator().manual_seed(3))
@@ -202,10 +202,10 @@ def test_e4m3_gradients_and_row_block_trains_a_step():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
     assert min(linear_sqnrs("block", x, grad_format="e4m3")) >= 18
     assert min(linear_sqnrs("tensor", x, grad_format="e4m3")) >= 18  # per-tensor takes it too
-    layer = Linear(256, 128, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="current"))
+    layer = Linear(256, 128, recipe=get_recipe("te", scaling=ScalingRecipe(mode="current")))
     assert "E5M2" in repr(layer)
     e4 = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
-    assert "E4M3/E4M3 block-wise" in repr(Linear(256, 128, recipe=get_recipe("te"), scaling=e4))
+    assert "E4M3/E4M3 block-wise" in repr(Linear(256, 128, recipe=get_recipe("te", scaling=e4)))
 
 
 def test_recipe_and_levels_refuse_what_is_not_built():
@@ -214,7 +214,7 @@ def test_recipe_and_levels_refuse_what_is_not_built():
     with pytest.raises(ValueError, match="granularity"):
         ScalingRecipe(mode="current", granularity="tile")
     row = ScalingRecipe(mode="current", granularity="row")
-    layer = Linear(128, 128, recipe=get_recipe("O3"), scaling=row)
+    layer = Linear(128, 128, recipe=get_recipe("O3", scaling=row))
     with pytest.raises(NotImplementedError, match="granularity 'row' is not built"):
         layer.lower_weight_precision()
 
@@ -223,7 +223,7 @@ def test_health_is_measured_per_block():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(7))
     x[:, 0] = 1e-12  # far below any block's subnormals: flushed to zero
     block = ScalingRecipe(mode="current", granularity="block")
-    layer = Linear(256, 128, recipe=get_recipe("te"), scaling=block)
+    layer = Linear(256, 128, recipe=get_recipe("te", scaling=block))
     layer.track_health = True
     layer(x).sum().backward()
     stats = layer.fp8_stats()
@@ -275,7 +275,7 @@ def test_o2_block_gradient_lands_in_the_fp8_slot():
 
     block = ScalingRecipe(mode="current", granularity="block")
     torch.manual_seed(0)
-    layer = Linear(256, 192, recipe=get_recipe("O2"), scaling=block)
+    layer = Linear(256, 192, recipe=get_recipe("O2", scaling=block))
     layer.lower_weight_precision()
     assert layer.weight.dtype == torch.float16
     w64 = (layer.weight.detach().double() * layer.weight_scale_inv.double()).requires_grad_()
@@ -302,7 +302,7 @@ def test_o3_block_weight_is_stored_in_blocks_and_stepped_through_its_master():
 
     block = ScalingRecipe(mode="current", granularity="block")
     torch.manual_seed(0)
-    layer = Linear(300, 200, recipe=get_recipe("O3"), scaling=block)
+    layer = Linear(300, 200, recipe=get_recipe("O3", scaling=block))
     full = layer.weight.detach().clone()
     layer.lower_weight_precision()
     expected = quantize_blocks(full, E4M3, (128, 128), power_of_two=True)

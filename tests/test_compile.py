@@ -44,10 +44,10 @@ def _layer(spec: str, recompute: str = "none") -> TransformerLayer:
     """``level[:param_dtype][@granularity]``, e.g. ``O3:bf16@block``: one layer in the
     level's storage, built from seed 0."""
     level, _, granularity = spec.partition("@")
-    recipe = get_recipe(*split_level(level))
     scaling = ScalingRecipe(mode="current", granularity=granularity) if granularity else None
     torch.manual_seed(0)
-    layer = TransformerLayer(CFG, BuildContext(recipe, scaling), recompute=recompute)
+    recipe = get_recipe(*split_level(level), scaling=scaling)
+    layer = TransformerLayer(CFG, BuildContext(recipe), recompute=recompute)
     return apply_level_storage(layer, recipe)
 
 

@@ -105,7 +105,7 @@ def test_saturation_counts_only_values_beyond_the_maximum():
     a few percent of a fresh weight round to the maximum (what the old count reported)."""
     torch.manual_seed(0)
     # The default (uniform) init: 3.6% of its values lie within 448/464 of the amax.
-    layer = Linear(256, 256, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="current"))
+    layer = Linear(256, 256, recipe=get_recipe("te", scaling=ScalingRecipe(mode="current")))
     stats = _tracked_pass(layer, torch.randn(64, 256))
     assert stats["weight_saturated"] == 0.0 and stats["input_saturated"] == 0.0
     w = layer.weight.detach().float()
@@ -118,7 +118,7 @@ def test_saturation_counts_the_values_a_stale_scale_clips():
     beyond 464 (448 plus half of E4M3's spacing of 32 there; below that a value rounds to 448
     anyway), computed from the scale the layer used."""
     torch.manual_seed(0)
-    layer = Linear(64, 32, recipe=get_recipe("te"), scaling=ScalingRecipe(mode="delayed"))
+    layer = Linear(64, 32, recipe=get_recipe("te", scaling=ScalingRecipe(mode="delayed")))
     torch.nn.init.normal_(layer.weight, std=0.05)
     for _ in range(3):
         _tracked_pass(layer, torch.randn(128, 64))

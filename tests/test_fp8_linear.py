@@ -57,7 +57,7 @@ def test_non_fp8_is_exactly_f_linear(level):
 def test_sqnr_against_float64(mode, bias):
     x, w, g = randn(256, 128, seed=1), randn(64, 128, seed=2), randn(256, 64, seed=3)
     b = randn(64, seed=4)
-    lin = Linear(128, 64, bias=bias, recipe=TE, scaling=ScalingRecipe(mode=mode))
+    lin = Linear(128, 64, bias=bias, recipe=get_recipe("te", scaling=ScalingRecipe(mode=mode)))
     with torch.no_grad():
         lin.weight.copy_(w)
         if bias:
@@ -108,12 +108,12 @@ def train_steps(lin: Linear, seeds, lr=0.1) -> list[torch.Tensor]:
 def test_state_dict_round_trip_resumes_bit_identically():
     scaling = ScalingRecipe(amax_history_len=4, warmup_steps=2)
     torch.manual_seed(0)
-    a = Linear(48, 24, recipe=TE, scaling=scaling)
+    a = Linear(48, 24, recipe=get_recipe("te", scaling=scaling))
     train_steps(a, range(5))
     sd = {k: v.clone() for k, v in a.state_dict().items()}
     for role in ("fp8_input", "fp8_weight", "fp8_grad_output"):
         assert sd[f"{role}.step"].item() == 5 and sd[f"{role}.amax_history"].shape == (4,)
-    b = Linear(48, 24, recipe=TE, scaling=scaling)
+    b = Linear(48, 24, recipe=get_recipe("te", scaling=scaling))
     b.load_state_dict(sd)
     for ya, yb in zip(train_steps(a, range(5, 10)), train_steps(b, range(5, 10))):
         assert torch.equal(ya, yb)
@@ -138,7 +138,7 @@ def test_eval_and_no_grad_do_not_advance_state():
 
 
 def test_inf_amax_keeps_scales_and_weights_finite_and_recovers():
-    lin = Linear(48, 24, recipe=TE, scaling=ScalingRecipe(amax_history_len=4))
+    lin = Linear(48, 24, recipe=get_recipe("te", scaling=ScalingRecipe(amax_history_len=4)))
     train_steps(lin, range(3))
     x = randn(32, 48, seed=50)
     x[3, 7] = float("inf")

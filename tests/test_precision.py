@@ -1,9 +1,14 @@
 """The precision table as README.md writes it, and the recipes' runtime flags."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from conftest import REPO
 
 from fp8train.precision import LEVELS, get_recipe, resolve_param_dtype
+from fp8train.scaling import ScalingRecipe
+from training.config import load_config
 
 # level: (GEMM, grad comm, weight, master, weight grad, Adam m, Adam v) from README.md.
 TABLE = {
@@ -30,6 +35,19 @@ def test_runtime_flags():
     assert get_recipe("fp16").autocast_dtype == torch.float16
     assert get_recipe("fp16").uses_loss_scaling and not get_recipe("te").uses_loss_scaling
     assert get_recipe("te").fp8_gemm and not get_recipe("bf16").fp8_gemm
+
+
+def test_the_recipe_carries_its_scaling():
+    """One object per layer: the level's row with the FP8 scaling it was asked for, the same
+    row otherwise; a run's config fills it from its ``precision.fp8_*`` keys."""
+    block = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
+    row = get_recipe("O2", "bf16")
+    assert row.scaling == ScalingRecipe()
+    assert get_recipe("O2", "bf16", scaling=block) == replace(row, scaling=block)
+    assert len({row, get_recipe("O2", "bf16", block)}) == 2  # frozen: hashable, grouped by
+    cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), ["precision.fp8_recipe=current"])
+    current = ScalingRecipe(mode="current")
+    assert cfg.precision.recipe("bf16") == get_recipe(cfg.precision.level, "bf16", current)
 
 
 def test_unknown_level_lists_the_known_ones():

@@ -24,7 +24,6 @@ import torch  # noqa: E402
 from fp8train.audit import audit_precision, format_audit  # noqa: E402
 from fp8train.convert import apply_level_storage  # noqa: E402
 from fp8train.precision import LEVELS, get_recipe  # noqa: E402
-from fp8train.scaling import ScalingRecipe  # noqa: E402
 from models.context import BuildContext  # noqa: E402
 from models.gpt import GPTConfig, GPTModel, pad_vocab_size  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
@@ -40,9 +39,7 @@ def audit_level(cfg, level: str, steps: int = 1):
     recipe = get_recipe(level)
     torch.manual_seed(cfg.training.seed)
     vocab = pad_vocab_size(cfg.data.vocab_size, cfg.model.make_vocab_size_divisible_by)
-    model = GPTModel(
-        GPTConfig.from_model_section(cfg.model, vocab), BuildContext(recipe, ScalingRecipe())
-    )
+    model = GPTModel(GPTConfig.from_model_section(cfg.model, vocab), BuildContext(recipe))
     apply_level_storage(model, recipe)
     opt = build_optimizer(model, recipe, cfg.optimizer)
     seq = min(cfg.model.seq_length, 64)

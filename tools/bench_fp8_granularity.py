@@ -81,7 +81,7 @@ def sqnr_row(granularity: str, pow2: bool, grad_format: str, x, g) -> tuple[floa
         mode=mode, granularity=granularity, power_of_two=pow2, grad_format=grad_format
     )
     torch.manual_seed(0)
-    layer = Linear(x.shape[1], g.shape[1], recipe=get_recipe("te"), scaling=scaling)
+    layer = Linear(x.shape[1], g.shape[1], recipe=get_recipe("te", scaling=scaling))
     # Delayed scaling's first update is current scaling (warm-up), so this row is per-tensor
     # current scaling: the fair comparison with the other rows' current scales.
     w64 = layer.weight.detach().double().requires_grad_()

@@ -207,11 +207,12 @@ class PrecisionConfig(_Section):
                     f"precision.{high}_loss_scale ({hi!r}) must be >= "
                     f"precision.{low}_loss_scale ({lo!r})"
                 )
-        try:  # the combination rule lives with the recipes
+        # Granularity first: its message names the config keys, ScalingRecipe's would not.
+        self._check_granularity()
+        try:  # the combination rules live with the recipes
             self.recipe()
         except ValueError as err:
             raise self._err(str(err)) from None
-        self._check_granularity()
 
     def _check_granularity(self) -> None:
         if self.fp8_granularity == "tensor":
@@ -229,11 +230,27 @@ class PrecisionConfig(_Section):
                 "the input gradient"
             )
 
-    def recipe(self):
-        """This section's row of the precision table (``fp8train.precision``)."""
+    def recipe(self, param_dtype: str | None = None):
+        """This section's row of the precision table (``fp8train.precision``) with its FP8
+        scaling (the ``fp8_*`` keys); ``param_dtype`` in place of this section's (a run's
+        resolved "auto")."""
         from fp8train.precision import get_recipe
+        from fp8train.scaling import ScalingRecipe
 
-        return get_recipe(self.level, self.param_dtype)
+        scaling = ScalingRecipe(**{f: getattr(self, key) for f, key in _SCALING_KEYS.items()})
+        return get_recipe(self.level, param_dtype or self.param_dtype, scaling)
+
+
+# ScalingRecipe field -> the precision key that sets it (the config keeps its public names).
+_SCALING_KEYS = {
+    "mode": "fp8_recipe",
+    "amax_history_len": "amax_history_len",
+    "margin": "fp8_margin",
+    "power_of_two": "fp8_power_of_two",
+    "granularity": "fp8_granularity",
+    "grad_format": "fp8_grad_format",
+    "fast_accum": "fp8_fast_accum",
+}
 
 
 @dataclass(frozen=True)

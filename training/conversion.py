@@ -50,7 +50,6 @@ from parallel.tensor_parallel.mappings import PlannedGroup
 from training.checkpointer import checkpoint_config
 from training.config import config_from_dict, config_to_dict
 from training.optimizer import parameter_owners, trainable_parameters
-from training.setup import scaling_recipe
 from training.tokenizer_files import FOLDER as TOKENIZER_FOLDER
 from training.tokenizer_files import copy_tokenizer_files, export_tokenizer
 
@@ -111,7 +110,6 @@ def plan_slice(
     group = PlannedGroup(layout.tensor, tp_rank) if layout.tensor > 1 else None
     ctx = BuildContext(
         recipe,
-        scaling_recipe(cfg),
         device="meta",
         tp_group=group,
         sequence_parallel=cfg.parallel.sequence_parallel and layout.tensor > 1,

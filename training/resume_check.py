@@ -125,7 +125,7 @@ def check_compatible(
     if asked == "auto":
         return
     trained = saved_param_dtype(saved)
-    if get_recipe(old_level, trained) != cfg.precision.recipe():
+    if get_recipe(old_level, trained) != get_recipe(old_level, asked):
         raise ConfigError(
             f"config: precision.param_dtype={asked} but checkpoint {path} was trained with "
             f"{trained} parameters: set precision.param_dtype={trained} (or auto, which resumes "

@@ -17,8 +17,7 @@ from fp8train import device as devices
 from fp8train import gemm
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from fp8train.precision import PrecisionRecipe, get_recipe, resolve_param_dtype
-from fp8train.scaling import ScalingRecipe
+from fp8train.precision import PrecisionRecipe, resolve_param_dtype
 from models.base import ParallelModel
 from models.context import BuildContext
 from parallel.comm_meter import CommMeter
@@ -35,7 +34,6 @@ __all__ = [
     "RunState",
     "build_run",
     "prepare_data",
-    "scaling_recipe",
 ]
 
 
@@ -100,19 +98,6 @@ def prepare_data(family: ModelFamily, cfg: Config, rank: int):
     if error is not None:
         raise ConfigError(f"config: {error}")
     return prepared
-
-
-def scaling_recipe(cfg: Config) -> ScalingRecipe:
-    p = cfg.precision
-    return ScalingRecipe(
-        mode=p.fp8_recipe,
-        amax_history_len=p.amax_history_len,
-        margin=p.fp8_margin,
-        power_of_two=p.fp8_power_of_two,
-        granularity=p.fp8_granularity,
-        grad_format=p.fp8_grad_format,
-        fast_accum=p.fp8_fast_accum,
-    )
 
 
 def _param_dtype(cfg: Config, resume: ResumePlan | None, device_type: str) -> tuple[str, str]:
@@ -186,7 +171,6 @@ def _build_model(
         model_parallel_seed(cfg.training.seed, topo.tp_rank, device)
     ctx = BuildContext(
         recipe,
-        scaling_recipe(cfg),
         device=None if initialize else device,  # a plan builds on meta; a run moves below
         tp_group=groups.tensor,
         sequence_parallel=cfg.parallel.sequence_parallel,
@@ -249,7 +233,7 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
         )
     resume = plan.resume
     param_dtype, param_dtype_source = _param_dtype(cfg, resume, runs_on)
-    recipe = get_recipe(cfg.precision.level, param_dtype)
+    recipe = cfg.precision.recipe(param_dtype)  # with its FP8 scaling
     layout = PipelineLayout(cfg.model.num_layers, topo.pipeline, plan.virtual_stages, topo.pp_rank)
 
     if planning:

@@ -47,7 +47,6 @@ from torch import nn
 from fp8train import device as devices
 from fp8train.linear import Linear
 from fp8train.precision import PrecisionRecipe
-from fp8train.scaling import ScalingRecipe
 from parallel.comm_meter import CommMeter
 from parallel.tensor_parallel.fp8_gather import SequenceGatherFp8
 
@@ -175,7 +174,6 @@ class _ParallelLinear(ParallelLayer):
         *,
         group,
         recipe: PrecisionRecipe | None,
-        scaling: ScalingRecipe | None,
         bias: bool,
         skip_bias_add: bool,
         sequence_parallel: bool,
@@ -197,7 +195,7 @@ class _ParallelLinear(ParallelLayer):
         build = "meta" if str(device) == "meta" else "cpu"
         with torch.random.fork_rng(devices=[]):
             self.linear = Linear(
-                in_shard, out_shard, False, recipe=recipe, scaling=scaling, device=build,
+                in_shard, out_shard, False, recipe=recipe, device=build,
                 dtype=dtype,
             )  # fmt: skip
         self.bias = (
@@ -294,7 +292,6 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         group,
         recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
         bias: bool = True,
         gather_output: bool = False,
         skip_bias_add: bool = False,
@@ -316,7 +313,7 @@ class ColumnParallelLinear(_ParallelLinear):
         # fmt: off
         super().__init__(
             in_features, out_features, in_features, out_shard, out_shard, group=group,
-            recipe=recipe, scaling=scaling, bias=bias, skip_bias_add=skip_bias_add,
+            recipe=recipe, bias=bias, skip_bias_add=skip_bias_add,
             sequence_parallel=sequence_parallel, init_method=init_method, blocks=blocks,
             meter=meter, device=device, dtype=dtype, skip_init=skip_init,
         )
@@ -367,7 +364,6 @@ class RowParallelLinear(_ParallelLinear):
         *,
         group,
         recipe: PrecisionRecipe | None = None,
-        scaling: ScalingRecipe | None = None,
         bias: bool = True,
         input_is_parallel: bool = True,
         skip_bias_add: bool = False,
@@ -384,7 +380,7 @@ class RowParallelLinear(_ParallelLinear):
         # fmt: off
         super().__init__(
             in_features, out_features, in_shard, out_features, out_features, group=group,
-            recipe=recipe, scaling=scaling, bias=bias, skip_bias_add=skip_bias_add,
+            recipe=recipe, bias=bias, skip_bias_add=skip_bias_add,
             sequence_parallel=sequence_parallel, init_method=init_method, blocks=1,
             meter=meter, device=device, dtype=dtype, skip_init=skip_init,
         )
