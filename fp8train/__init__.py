@@ -4,9 +4,10 @@
 
 The ladder, bottom up: formats (FP8 dtypes, saturating casts) -> scaling (per-tensor scales,
 delayed and current) -> precision (the level table every layer reads, each row with its
-scaling recipe) -> tensor (Float8Tensor) -> gemm (scaled_mm or exact emulation) -> linear
-(the FP8 linear with its three GEMMs) -> low_precision (scaled FP16/FP8 storage, FP8 gradient
-slots) -> optim (low-bit AdamW) -> initialize and audit.
+scaling recipe) -> tensor (Float8Tensor) -> gemm (scaled_mm or exact emulation) ->
+gemm_backend (which GEMM runs: a pinned choice or the per-machine race) -> linear (the FP8
+linear with its three GEMMs) -> low_precision (scaled FP16/FP8 storage, FP8 gradient slots) ->
+optim (low-bit AdamW) -> initialize and audit.
 """
 
 from __future__ import annotations

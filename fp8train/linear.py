@@ -36,7 +36,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .block_linear import BlockFp8LinearFunction
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
-from .gemm import fp8_gemm, select_gemm_backend
+from .gemm import fp8_gemm
+from .gemm_backend import select_gemm_backend
 from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
 from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
@@ -373,7 +374,7 @@ class Linear(nn.Module):
         return out
 
     def _bind_gemm_backend(self) -> None:
-        """``gemm_backend`` for the weight's device type (``gemm.select_gemm_backend``: the
+        """``gemm_backend`` for the weight's device type (``gemm_backend.select_gemm_backend``: the
         process's pinned choice, or the per-machine race; on meta, what a plan assumes)."""
         kind = self.weight.device.type
         if not self.fp8 or kind == self._backend_device:

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8train import gemm
+from fp8train import gemm_backend
 from fp8train.formats import E4M3, E5M2
-from fp8train.gemm import (
-    BACKENDS,
-    fp8_gemm,
-    measure_gemm_backends,
-    scaled_mm_available,
-    select_gemm_backend,
-    set_gemm_backend,
-)
+from fp8train.gemm import BACKENDS, fp8_gemm, scaled_mm_available
+from fp8train.gemm_backend import measure_gemm_backends, select_gemm_backend, set_gemm_backend
 from fp8train.tensor import Float8Tensor
 
 CPU = torch.device("cpu")
@@ -22,10 +16,10 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _fresh_selection(monkeypatch, tmp_path):
-    monkeypatch.delenv(gemm.ENV_VAR, raising=False)
+    monkeypatch.delenv(gemm_backend.ENV_VAR, raising=False)
     # A private per-machine cache: "auto" races once per machine and stores the pick there.
     monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(tmp_path / "machine_cache"))
-    monkeypatch.setattr(gemm, "_auto_choice", {})
+    monkeypatch.setattr(gemm_backend, "_auto_choice", {})
     set_gemm_backend(None)
     yield
     set_gemm_backend(None)
@@ -101,12 +95,21 @@ def test_shape_mismatch_raises():
         fp8_gemm(operand((4, 8), E4M3, 0, 1.0), operand((4, 9), E4M3, 0, 1.0))
 
 
+def test_no_backend_given_is_the_emulation_whatever_is_pinned(monkeypatch):
+    """fp8_gemm reads no global and no environment: the choice is bound by its caller."""
+    a, b = operand((32, 64), E4M3, 8, 5.0), operand((16, 64), E4M3, 9, 0.5)
+    want = fp8_gemm(a, b, backend="emulated")
+    set_gemm_backend("emulated" if not scaled_mm_available(CPU) else "scaled_mm")
+    monkeypatch.setenv(gemm_backend.ENV_VAR, "scaled_mm")
+    assert torch.equal(fp8_gemm(a, b), want)
+
+
 def test_forced_backend_and_env_var(monkeypatch):
     set_gemm_backend("emulated")
     assert select_gemm_backend(CPU) == "emulated"
     assert select_gemm_backend(CPU, "emulated") == "emulated"
     set_gemm_backend("auto")
-    monkeypatch.setenv(gemm.ENV_VAR, "emulated")
+    monkeypatch.setenv(gemm_backend.ENV_VAR, "emulated")
     assert select_gemm_backend(CPU) == "emulated"
     with pytest.raises(ValueError):
         set_gemm_backend("cublas")
@@ -121,26 +124,27 @@ def test_auto_picks_the_faster_once(monkeypatch, tmp_path):
         calls.append(device)
         return {"emulated": 11.0, "scaled_mm": 15.0}, {}
 
-    monkeypatch.setattr(gemm, "race_gemm_backends", fake)
+    monkeypatch.setattr(gemm_backend, "race_gemm_backends", fake)
     assert select_gemm_backend(CPU) == "emulated"
     assert select_gemm_backend("cpu") == "emulated"
-    monkeypatch.setattr(gemm, "_auto_choice", {})  # a new process on the same machine
+    monkeypatch.setattr(gemm_backend, "_auto_choice", {})  # a new process on the same machine
     assert select_gemm_backend(CPU) == "emulated"
     assert len(calls) == 1  # raced once per machine, then read from the machine cache
 
     for i, (timings, want) in enumerate([((2.0, 1.0), "scaled_mm"), ((1.0, 0.95), "emulated")]):
         # A near-tie goes to emulated, so that the choice does not flip between processes.
         times = dict(zip(("emulated", "scaled_mm"), timings))
-        monkeypatch.setattr(gemm, "_auto_choice", {})
+        monkeypatch.setattr(gemm_backend, "_auto_choice", {})
         monkeypatch.setenv("FP8TRAIN_CACHE_DIR", str(tmp_path / f"machine_{i}"))
-        monkeypatch.setattr(gemm, "race_gemm_backends", lambda *a, t=times, **k: (t, {}))
+        monkeypatch.setattr(gemm_backend, "race_gemm_backends", lambda *a, t=times, **k: (t, {}))
         assert select_gemm_backend(CPU) == want
 
 
 class _Clock:
-    """The race's clock (``gemm.time.perf_counter``), moved only by the stand-in backends: the
-    race's decisions are checked without timing anything (under a loaded CPU, two equally fast
-    real kernels can differ 3x in one timing and one would leave at the probe)."""
+    """The race's clock (``gemm_backend.time.perf_counter``), moved only by the stand-in
+    backends: the race's decisions are checked without timing anything (under a loaded CPU,
+    two equally fast real kernels can differ 3x in one timing and one would leave at the
+    probe)."""
 
     def __init__(self):
         self.now = 0.0
@@ -152,7 +156,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch) -> _Clock:
     fake = _Clock()
-    monkeypatch.setattr(gemm, "time", fake)
+    monkeypatch.setattr(gemm_backend, "time", fake)
     return fake
 
 
@@ -174,8 +178,8 @@ def test_auto_drops_a_100x_slower_backend_before_full_size(clock):
     """A kernel 100x slower than emulation at every size: the probe finds it, and it never
     runs at the full shape."""
     slow = _Recorded(clock, 100)
-    full = gemm._AUTO_SHAPE["cpu"]
-    times, left = gemm.race_gemm_backends(
+    full = gemm_backend._AUTO_SHAPE["cpu"]
+    times, left = gemm_backend.race_gemm_backends(
         CPU, backends={"emulated": _Recorded(clock), "slow": slow}
     )
     assert set(times) == {"emulated"} and "slow" in left, (times, left)
@@ -184,15 +188,15 @@ def test_auto_drops_a_100x_slower_backend_before_full_size(clock):
 
 def test_auto_calls_a_backend_slow_only_at_full_size_once(clock):
     """A kernel fine at the probe but 100x slower at the full shape runs there once."""
-    full = gemm._AUTO_SHAPE["cpu"]
+    full = gemm_backend._AUTO_SHAPE["cpu"]
     slow = _Recorded(clock, 100, slow_from=full[0])
-    times, left = gemm.race_gemm_backends(
+    times, left = gemm_backend.race_gemm_backends(
         CPU, backends={"emulated": _Recorded(clock), "slow": slow}
     )
     assert set(times) == {"emulated"} and "slow" in left, (times, left)
     assert slow.shapes.count(full) == 1, slow.shapes
     # The one it drops is the slower one, whichever order they run in.
-    times, left = gemm.race_gemm_backends(
+    times, left = gemm_backend.race_gemm_backends(
         CPU,
         backends={"slow": _Recorded(clock, 100, slow_from=full[0]), "emulated": _Recorded(clock)},
     )
@@ -206,7 +210,7 @@ def _select_in_a_process(rank, world, port, cache, marks):
     import time
     from pathlib import Path
 
-    from fp8train import gemm as g
+    from fp8train import gemm_backend as g
 
     os.environ["FP8TRAIN_CACHE_DIR"] = cache
     race = g.race_gemm_backends

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8train.gemm import BACKENDS, scaled_mm_available, set_gemm_backend
+from fp8train.gemm import BACKENDS, scaled_mm_available
+from fp8train.gemm_backend import set_gemm_backend
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
 from fp8train.scaling import ScalingRecipe

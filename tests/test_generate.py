@@ -14,7 +14,7 @@ import torch
 from data.corpus import stdlib_documents
 from data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from families.gpt_hf import GPTHFAdapter
-from fp8train.gemm import set_gemm_backend
+from fp8train.gemm_backend import set_gemm_backend
 from fp8train.precision import get_recipe
 from models.context import BuildContext
 from models.gpt import GPTConfig, GPTModel

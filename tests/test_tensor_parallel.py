@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from multiproc import end_worker
 from torch import nn
 
-from fp8train.gemm import set_gemm_backend
+from fp8train.gemm_backend import set_gemm_backend
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
 from parallel.comm_meter import CommMeter, wire_bytes

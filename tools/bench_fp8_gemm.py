@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 
 from fp8train import device as fdevice  # noqa: E402
-from fp8train.gemm import measure_gemm_backends, select_gemm_backend  # noqa: E402
+from fp8train.gemm_backend import measure_gemm_backends, select_gemm_backend  # noqa: E402
 
 DEFAULT_SHAPES = {
     "cpu": ["512x256x768", "2048x256x768", "2048x768x256", "1024x1024x1024", "1000x250x750"],

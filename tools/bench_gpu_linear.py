@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fp8train import gemm
+from fp8train import gemm_backend
 from fp8train.linear import Linear
 from fp8train.precision import get_recipe
 from tools.bench_gpu_rows import (
@@ -33,7 +33,7 @@ def linear_rows(args, device: torch.device, record: Callable[[dict], dict]) -> l
     x = torch.randn(m, k, generator=gen).to(device)
     grad = torch.randn(m, n, generator=gen).to(device)
     backend = fp8_backend(device, args.fp8_backend)
-    gemm.set_gemm_backend(backend)
+    gemm_backend.set_gemm_backend(backend)
     te = f"fp8train.Linear te ({backend} GEMMs)"
     # (name, layer factory, activation dtype, torchao recipe or None)
     cases = [

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from families import ModelFamily, get_family
 from fp8train import device as devices
-from fp8train import gemm
+from fp8train import gemm_backend
 from fp8train.convert import apply_level_storage
 from fp8train.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from fp8train.precision import PrecisionRecipe, resolve_param_dtype
@@ -134,7 +134,7 @@ def _agree_gemm_backend(choice: str, device: torch.device) -> str:
     reproducible. (With "auto" the ranks normally agree already: the pick is raced once per
     machine and stored, ``fp8train.machine_cache``; a cache they cannot share is the case
     the broadcast covers.)"""
-    picked = gemm.select_gemm_backend(device, choice)
+    picked = gemm_backend.select_gemm_backend(device, choice)
     if dist.is_initialized():
         code = torch.tensor([_BACKENDS.index(picked)], dtype=torch.int64, device=device)
         dist.broadcast(code, src=0)
@@ -251,7 +251,7 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
         if planning and choice == "auto":
             choice = "scaled_mm"
         chosen = _agree_gemm_backend(choice, device)
-        gemm.set_gemm_backend(chosen)
+        gemm_backend.set_gemm_backend(chosen)
 
     meter = CommMeter()
     model = _build_model(
