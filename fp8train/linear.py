@@ -12,8 +12,15 @@ FP8 copies of x and W are saved for backward (a quarter of fp32 activation memor
 bias grad stay in fp32.
 
 Scaling state (one ``ScalingState`` per role) lives in persistent buffers, so a checkpoint of
-``model.state_dict()`` resumes with the same scales. The state advances only in training mode:
-evaluation reads the scales but does not change them, so validation never perturbs training.
+``model.state_dict()`` resumes with the same scales. A cast only asks its state for a scale and
+records its amax; the state moves in one bulk update per pass (``scaling.fold``), run by the
+model's ``scaling_table.ScalingTable``, or by this linear right after its casts when no table
+manages its states. The state advances only in training mode: evaluation reads the scales but
+does not change them, so validation never perturbs training.
+
+The weight is cast once per optimizer step (``Linear.weight_fp8``), and the FP32 weight
+gradient of an FP8 gradient slot reaches the slot through autograd (the slot's ``sink``), so a
+layer traces whole under ``torch.compile`` (docs/ARCHITECTURE.md, "FP8 speed").
 
 Activation recompute (``torch.utils.checkpoint``) runs a forward twice for one backward. The
 second run must neither advance the scaling state again nor cast with a different scale (the
