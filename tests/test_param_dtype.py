@@ -96,7 +96,7 @@ def test_resume_refuses_another_param_dtype_but_finetune_takes_the_weights(
 ):
     """The checkpoint records what "auto" resolved to (FP32 on the CPU at te) and the
     start-up line says it; a value set otherwise is one line naming the key and what to set."""
-    _train(tiny_data, tmp_path / "a", "te", **{"training.train_iters": 3})
+    _train(tiny_data, tmp_path / "a", "te:auto", **{"training.train_iters": 3})
     assert "| param_dtype=fp32 (auto on cpu) |" in capsys.readouterr().out
     assert _saved_param_dtype(tmp_path / "a") == "fp32"
     with pytest.raises(ConfigError) as err:
@@ -147,7 +147,7 @@ def test_auto_resumes_a_bf16_checkpoint_as_it_trained(tiny_data, tmp_path, capsy
     _train(tiny_data, resumed, "te:bf16", **{"training.exit_interval": 3})
     assert _saved_param_dtype(resumed) == "bf16"
     capsys.readouterr()
-    _train(tiny_data, resumed, "te")  # precision.param_dtype=auto, from iter_0000003
+    _train(tiny_data, resumed, "te:auto")  # from iter_0000003
     assert "| param_dtype=bf16 (auto: as its checkpoint trained) |" in capsys.readouterr().out
     assert _saved_param_dtype(resumed) == "bf16"
 
