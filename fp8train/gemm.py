@@ -58,12 +58,25 @@ def call_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype: torch.dtype) -> torc
     11.2 s at 2048x256x768 where the reference took 11 ms, with equal results (2026-11-27)."""
     if mat1.device.type != "cpu":
         return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return _reference_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype)
+    if torch.compiler.is_compiling():
+        return _reference_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype)
+    # Eagerly, the same kernel without the operator: a custom operator's first call costs
+    # about 2 s per process on 2 cores (every rank of every multi-rank test paid it).
+    return _without_onednn(mat1, mat2, scale_a, scale_b, out_dtype)
 
 
-# An operator of its own, opaque to torch.compile: switching oneDNN off and on again is host
-# state that dynamo cannot trace (each call would break the graph), and inside the operator
-# the compiled step runs the very kernel the eager one does.
+def _without_onednn(mat1, mat2, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+# An operator of its own for compiled graphs, opaque to torch.compile: switching oneDNN off
+# and on again is host state that dynamo cannot trace (each call would break the graph), and
+# inside the operator the compiled step runs the very kernel the eager one does.
 @torch.library.custom_op("fp8train::reference_scaled_mm", mutates_args=())
 def _reference_scaled_mm(
     mat1: torch.Tensor,
@@ -72,12 +85,7 @@ def _reference_scaled_mm(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
+    return _without_onednn(mat1, mat2, scale_a, scale_b, out_dtype)
 
 
 @_reference_scaled_mm.register_fake
@@ -189,9 +197,9 @@ _cpu_rowwise: list[bool] = []  # the answer of cpu_takes_rowwise, once known
 
 def cpu_takes_rowwise() -> bool:
     """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.13 does; 2.11 takes
-    per-tensor scales only there). Tried once per process, when a backend is selected for
-    the CPU (``gemm_backend.select_gemm_backend``, at build time): a compiled GEMM then reads
-    a constant."""
+    per-tensor scales only there). Tried once per process (the first call costs about 2 s
+    on a 2-core CPU: only row-wise linears ask), when such a linear binds its backend
+    (``Linear._bind_gemm_backend``, at build time): a compiled GEMM then reads a constant."""
     if not _cpu_rowwise:
         a = torch.zeros(16, 16).to(E4M3.dtype)
         try:

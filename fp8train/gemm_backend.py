@@ -26,7 +26,6 @@ from .gemm import (
     Gemm,
     backend_gemms,
     check_backend,
-    cpu_takes_rowwise,
     fits_scaled_mm,
     scaled_mm_available,
 )
@@ -185,8 +184,6 @@ def select_gemm_backend(device: torch.device | str, choice: str | None = "auto")
         choice = _forced or os.environ.get(ENV_VAR) or "auto"
     if device.type == "meta":  # a plan (training/planner.py) stands for a GPU run
         return "scaled_mm" if choice == "auto" else check_backend(choice)
-    if device.type == "cpu":
-        cpu_takes_rowwise()  # known before any compiled GEMM asks
     if choice != "auto":
         if check_backend(choice) == "scaled_mm" and not scaled_mm_available(device):
             raise RuntimeError(f"FP8 GEMM backend scaled_mm does not run on {device}")
