@@ -36,7 +36,7 @@ train: venv
 
 # --durations=25: the slowest tests close the log, so growth is visible in CI.
 test: venv
-	@echo "fp8train: running the test suite (about 7-8 minutes on 2 CPU cores; a dot per test)"
+	@echo "fp8train: running the test suite (about 10-11 minutes on 2 CPU cores; a dot per test)"
 	$(BIN)/python -m pytest -q tests --durations=25
 
 lint: venv
