@@ -39,21 +39,10 @@ class ScalingTable:
                 module.managed = True
                 self.groups.setdefault(module.recipe, []).append(module)
 
-    @property
-    def states(self) -> int:
-        return sum(len(g) for g in self.groups.values())
-
     def fold(self) -> None:
         """Take every recorded amax into its history and compute every next scale."""
         for states in self.groups.values():
             fold(states)
-
-    def release(self) -> None:
-        """Hand the states back to their linears (each folds its own again)."""
-        for states in self.groups.values():
-            for state in states:
-                state.managed = False
-        self.groups = {}
 
 
 def attach(model: nn.Module) -> ScalingTable:

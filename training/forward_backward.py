@@ -13,7 +13,6 @@ micro-batch's forward and after its backward, whatever the schedule.
 from __future__ import annotations
 
 import contextlib
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -21,7 +20,7 @@ from fp8train.linear import Linear
 from fp8train.scaling_table import ScalingTable
 from parallel.pipeline import schedule_ops
 
-__all__ = ["forward_backward", "forward_only", "new_totals", "scaling_table", "track_health"]
+__all__ = ["forward_backward", "forward_only", "new_totals", "track_health"]
 
 
 def _autocast(state):
@@ -31,16 +30,10 @@ def _autocast(state):
     return torch.autocast(device_type=state.device.type, dtype=dtype)
 
 
-_TABLES: WeakKeyDictionary = WeakKeyDictionary()  # model -> its ScalingTable
-
-
-def scaling_table(model) -> ScalingTable:
-    """The model's scaling table, made at its first training pass (the module tree does not
-    change after setup)."""
-    table = _TABLES.get(model)
-    if table is None:
-        table = _TABLES[model] = ScalingTable(model)
-    return table
+def _scaling_table(state) -> ScalingTable:
+    if state.scaling_table is None:  # made once: the module tree does not change after setup
+        state.scaling_table = ScalingTable(state.model)
+    return state.scaling_table
 
 
 def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -> torch.Tensor:
@@ -101,7 +94,7 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
         # The micro-batch's mean, averaged over micro-batches (Megatron), loss-scaled.
         return scaler.scale(_loss_sums(state, output, batch, totals) / n_micro)
 
-    table = scaling_table(model)
+    table = _scaling_table(state)
     try:
         if state.engine is None:
             for micro, batch in enumerate(batches):

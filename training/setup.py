@@ -60,6 +60,7 @@ class RunState:
     resumed_counters: dict | None = None
     run_lock: Any = None  # training/run_lock.py: held for the run's lifetime
     fp8_linears: list | None = None  # the model's FP8 Linears, for per-step health switching
+    scaling_table: Any = None  # fp8train.scaling_table.ScalingTable, made at the first pass
     engine: PipelineEngine | None = None  # None without pipeline parallelism
     # Why ``recipe.other_params`` is what it is (``_param_dtype``): the start-up line says it.
     param_dtype_source: str = "set"
