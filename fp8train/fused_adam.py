@@ -47,6 +47,11 @@ serves every shape of a kind of parameter; the kinds (dtypes of gradient, weight
 whether an FP8 weight is written) each compile once, to their own code object, so that no kind
 competes for another's dynamo cache entries.
 
+A skipped step (``found_inf`` set: the gradients were not finite) is decided on the device:
+every store selects, at the stored tensor's own precision, between its old and its new value
+(``_store_``), so a skipped step writes back exactly what was there and a taken one exactly
+what it would have written anyway; the caller takes the step counter back.
+
 Not fused (the caller's reference path): block-scaled FP8 weights (``scale_block_of(p)`` not
 None: their cast is per 128x128 block, ``blockwise.quantize_blocks``) and tensors the step
 writes that are not contiguous (a flat view would be a copy, and the writes would be lost). A
@@ -120,9 +125,15 @@ def _grad(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return slot.dequantize(), None
 
 
-def fused_update_(p: torch.Tensor, kind: str, state: dict, coeffs: torch.Tensor) -> None:
+def fused_update_(
+    p: torch.Tensor, kind: str, state: dict, coeffs: torch.Tensor, found_inf=None
+) -> None:
     """One AdamW step of ``p`` (its step counter already incremented, ``coeffs`` its row of
-    ``coefficients``): weight, moments, scales and, at O3, master and FP8 weight, in place."""
+    ``coefficients``): weight, moments, scales and, at O3, master and FP8 weight, in place.
+    ``found_inf``: a 0-d bool tensor on ``p``'s device; where it is true every tensor keeps
+    its bits (module docstring). None: a step."""
+    if found_inf is None:  # one compiled graph either way: always a tensor
+        found_inf = torch.zeros((), dtype=torch.bool, device=p.device)
     grad, grad_scale_inv = _grad(p)
     w8 = w8_scale_inv = None
     if kind == "fp8":  # O3: the step updates the master and writes the FP8 weight from it
@@ -138,7 +149,7 @@ def fused_update_(p: torch.Tensor, kind: str, state: dict, coeffs: torch.Tensor)
     step = compiled_steps(key, p.device.type)
     step(
         _flat(grad), grad_scale_inv, _flat(w), w_scale_inv, _flat(m), m_scale_inv,
-        _flat(v), v_scale_inv, coeffs, _flat(w8), w8_scale_inv,
+        _flat(v), v_scale_inv, coeffs, _flat(w8), w8_scale_inv, found_inf,
     )  # fmt: skip
 
 
@@ -177,24 +188,28 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch
     return _fma(coeff, end - start, torch.where(big, end, start))
 
 
-def _store_(value, data, scale_inv, max_value: float, pow2: bool) -> None:
+def _store_(value, data, scale_inv, max_value: float, pow2: bool, skip) -> None:
     """``optim_states.quantize_into_`` for one tensor; a tensor without a scale is written at
-    its own precision (an FP32 moment or a plain weight)."""
+    its own precision (an FP32 moment or a plain weight). ``skip`` (0-d bool): write back the
+    old bits instead: the stored value widened to fp32 narrows back to itself exactly, and the
+    old scale is kept with it."""
     if scale_inv is None:
-        data.copy_(value)
+        data.copy_(torch.where(skip, data.float(), value))
         return
     lo, hi = torch.aminmax(value)
     amax = torch.maximum(-lo, hi)
     scale = pow2_scale(amax, max_value) if pow2 else compute_scale(amax, E4M3)
-    data.copy_((value * scale).clamp(-max_value, max_value))
-    scale_inv.copy_(scale.reciprocal())
+    data.copy_(torch.where(skip, data.float(), (value * scale).clamp(-max_value, max_value)))
+    scale_inv.copy_(torch.where(skip, scale_inv, scale.reciprocal()))
 
 
 def _adamw_step_(
-    grad, grad_scale_inv, w, w_scale_inv, m, m_scale_inv, v, v_scale_inv, coeffs, w8, w8_scale_inv
-) -> None:
+    grad, grad_scale_inv, w, w_scale_inv, m, m_scale_inv, v, v_scale_inv, coeffs, w8,
+    w8_scale_inv, skip,
+) -> None:  # fmt: skip
     """The reference's ``LowBitAdamW._update`` for one flat tensor (``None`` scales: FP32 or
-    plain storage; ``w8`` None: no FP8 weight to write)."""
+    plain storage; ``w8`` None: no FP8 weight to write), every store kept as it was where
+    ``skip`` (a 0-d bool) is true."""
     decay, lerp_weight, beta2, one_minus_beta2, eps, neg_step_size, bc2 = coeffs.unbind()
     g = _value(grad, grad_scale_inv)
     weight = _value(w, w_scale_inv) * decay  # a weight decay of 0 multiplies by 1: exact
@@ -208,9 +223,9 @@ def _adamw_step_(
         exp_avg_sq = _fma(one_minus_beta2, g * g, v_decayed)
     denom = exp_avg_sq.sqrt() / bc2 + eps
     weight = weight + (neg_step_size * exp_avg) / denom
-    _store_(exp_avg, m, m_scale_inv, E4M3.max, pow2=False)
-    _store_(exp_avg_sq, v, v_scale_inv, FP16_MAX, pow2=True)
-    _store_(weight, w, w_scale_inv, FP16_MAX, pow2=True)
+    _store_(exp_avg, m, m_scale_inv, E4M3.max, False, skip)
+    _store_(exp_avg_sq, v, v_scale_inv, FP16_MAX, True, skip)
+    _store_(weight, w, w_scale_inv, FP16_MAX, True, skip)
     if w8 is not None:
         # O3: the FP8 weight is the rounding of the master as stored (optim.py's rule).
-        _store_(_value(w, w_scale_inv), w8, w8_scale_inv, max_of(w8.dtype), pow2=True)
+        _store_(_value(w, w_scale_inv), w8, w8_scale_inv, max_of(w8.dtype), True, skip)

@@ -31,6 +31,15 @@ step tensors, amaxes and scales stay tensors, and the only host flags read are
 ``torch._foreach_*`` per param group and device. The bias corrections use float64 (not
 supported on MPS); CPU and CUDA are the targets.
 
+A step is skipped on the device too: ``step(found_inf=...)`` takes a 0-d tensor (bool or
+0/1, what torch's fused optimizers read from ``optimizer.found_inf``), and where it is set the
+step leaves every parameter, moment, scale, master and step counter with the bits it had, with
+no host read (a CUDA graph of the step needs none). The fused step selects each store's old
+bits on the device (fused_adam.py); the reference keeps a copy of the bytes it will write, one
+chunk at a time, and selects them back (``_keep_where``). Where ``found_inf`` is clear, both
+write exactly what a step without it writes. The states a first step creates are created
+either way (zero moments, step 0), as torch's fused AdamW creates its own.
+
 Two backends, chosen once at construction (``fused``): the ``_foreach_*`` step above, the
 reference (the CPU's default), and a compiled step per tensor (fused_adam.py, the default for
 CUDA parameters) that reads and writes each tensor's stored bytes in a few kernels, with the
@@ -107,6 +116,31 @@ def _add_update_(weights, exp_avgs, denom, neg_step_size: torch.Tensor, packed: 
         torch._foreach_addcdiv_(weights, update, denom)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its width: selecting these keeps every bit (NaN payloads,
+    -0.0) on any device, whatever the float dtype."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
+
+
+def _written(items: list) -> list[torch.Tensor]:
+    """Every tensor the reference step writes for ``items``: weights, their scales, and each
+    parameter's state (moments, scales, master, step counter)."""
+    out: dict[int, torch.Tensor] = {}
+    for p, _, _, state in items:
+        scale_inv = scale_inv_of(p)
+        for t in (p, scale_inv, *state.values()):
+            if torch.is_tensor(t):
+                out.setdefault(id(t), t.detach())
+    return list(out.values())
+
+
+def _keep_where(skip: torch.Tensor, written: list[torch.Tensor], saved: list) -> None:
+    """Put back ``saved`` (the bits of ``written`` before the step) where ``skip`` is set."""
+    for t, old in zip(written, saved):
+        bits = _bits(t)
+        bits.copy_(torch.where(skip, old, bits))
+
+
 def _chunks(items: list, limit: int):
     """``items`` (each led by its parameter) in runs of at most ``limit`` elements (a larger
     tensor alone). The update makes FP32 working copies of each run's gradients, weights and
@@ -179,7 +213,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         return group.get("exp_avg_dtype", m), group.get("exp_avg_sq_dtype", v)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
+        """One AdamW step of every parameter with a gradient. ``found_inf``: a 0-d tensor
+        (bool or 0/1) on the device; where it is set nothing changes (module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -197,21 +233,28 @@ class LowBitAdamW(torch.optim.Optimizer):
                 if not state:
                     state.update(init_state(p, kind, *self._state_dtypes(group, kind)))
                 by_device.setdefault(p.device, []).append((p, kind, state))
-            for items in by_device.values():
+            for device, items in by_device.items():
+                skip = None
+                if found_inf is not None:
+                    skip = found_inf.to(device=device, dtype=torch.bool, non_blocking=True)
                 if fused and self.fused:  # (a compile failure turns self.fused off)
-                    items = self._fused_update(group, items)  # returns those it left
+                    items = self._fused_update(group, items, skip)  # returns those it left
                 for chunk in _chunks(items, self.chunk_elements):
                     # FP32 gradients chunk by chunk too: an FP8 slot's is a new tensor.
-                    self._update(group, [(p, k, grad_of(p), s) for p, k, s in chunk])
+                    self._update(group, [(p, k, grad_of(p), s) for p, k, s in chunk], skip)
         return loss
 
-    def _fused_update(self, group: dict, items: list) -> list:
+    def _fused_update(self, group: dict, items: list, skip: torch.Tensor | None) -> list:
         """The compiled step for each tensor that allows it (fused_adam.fusable); returns the
         items left to the reference path. The step counters and bias corrections are formed
-        for the group at once, exactly as ``_update`` forms them."""
+        for the group at once, exactly as ``_update`` forms them; a skipped step (``skip``)
+        takes the counters back after the stores kept their bits (as torch's fused AdamW)."""
         fused = [item for item in items if fused_adam.fusable(item[0], item[2])]
         if not fused:
             return items
+        found = skip
+        if found is None:  # one compiled graph for both: the mask is always a tensor
+            found = torch.zeros((), dtype=torch.bool, device=fused[0][0].device)
         lr, (beta1, beta2) = group["lr"], group["betas"]
         steps = [s["step"] for _, _, s in fused]
         torch._foreach_add_(steps, 1)
@@ -219,7 +262,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         rows = fused_adam.coefficients(group, neg_step_size, bc2_sqrt)
         for i, ((p, kind, state), row) in enumerate(zip(fused, rows)):
             try:
-                fused_adam.fused_update_(p, kind, state, row)
+                fused_adam.fused_update_(p, kind, state, row, found)
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # noqa: BLE001  (a compiler failure: fall back, loudly)
@@ -234,10 +277,15 @@ class LowBitAdamW(torch.optim.Optimizer):
                 torch._foreach_sub_(steps[i:], 1)
                 fused = fused[:i]
                 break
+        if skip is not None and fused:
+            torch._foreach_sub_(steps[: len(fused)], [skip.float()] * len(fused))
         done = {id(p) for p, _, _ in fused}
         return [item for item in items if id(item[0]) not in done]
 
-    def _update(self, group: dict, items: list) -> None:
+    def _update(self, group: dict, items: list, skip: torch.Tensor | None = None) -> None:
+        # A skippable step keeps the bytes it writes, to select them back (``_keep_where``).
+        written = _written(items) if skip is not None else []
+        saved = [_bits(t).clone() for t in written]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         grads = [g for _, _, g, _ in items]
@@ -268,6 +316,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._store_moments(states, exp_avgs, "exp_avg", E4M3.max, pow2=False)
         self._store_moments(states, exp_avg_sqs, "exp_avg_sq", FP16_MAX, pow2=True)
         self._store_weights(items, weights)
+        if skip is not None:
+            _keep_where(skip, written, saved)
 
     @staticmethod
     def _weight_fp32(p: torch.Tensor, kind: str, state: dict) -> torch.Tensor:

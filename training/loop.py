@@ -25,7 +25,7 @@ from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
 from training.setup import RunState, build_run
 from training.signals import StopSignals
-from training.step import StepStats, TrainingError, check_skips, evaluate, train_step
+from training.step import SkipCounter, StepStats, TrainingError, evaluate, train_step
 
 __all__ = ["pretrain"]
 
@@ -132,10 +132,11 @@ class _Run:
         )  # fmt: skip
         self.interval_loss, self.interval_steps = {}, 0
         self.unread: list[torch.Tensor] = []  # the steps' device losses not read yet
+        self.skips = SkipCounter(state, self.counters["skipped"])  # read with the losses
         self.interval_start = time.perf_counter()
         self.last, self.start_time = {}, time.time()
         self.first_iteration, self.run_start = self.iteration, time.perf_counter()  # for ETA
-        self.printed_bytes, self.consecutive, self.stopped_by = False, 0, None
+        self.printed_bytes, self.stopped_by = False, None
         self.saver = make_saver(state, self.announce)
 
     def _announce_start(self, peak_source: str) -> None:
@@ -181,26 +182,31 @@ class _Run:
                 self.writer.scalars(self.iteration + 1, scalars)
         self.iteration += 1
         self.consumed += self.t.global_batch_size
-        self.counters["skipped"] += int(stats.skipped)
-        self.consecutive = self.consecutive + 1 if stats.skipped else 0
-        check_skips(state, self.consecutive, self.iteration, stats)
+        self.skips.record(stats, self.iteration)  # on the device: checked when read
         self.unread.append(stats.means)  # read with the others when they are logged or saved
         self.interval_steps += 1
         return stats
 
     def _read_losses(self) -> None:
         """Fold the steps' losses, kept on the device since they ran, into the interval's sums
-        and the NaN counter: one host read for all of them, made where the log or a checkpoint
-        needs them (a read per step would make the host wait for the device every step). The
-        sums are the same Python float additions, in the same order, as reading every step."""
+        and the NaN counter, and the device's count of skipped steps into the counters (raising
+        training.max_consecutive_skips's error if a run of skips reached it: SkipCounter):
+        one host read for all of them, made where the log or a checkpoint needs them (a read
+        per step would make the host wait for the device every step). The sums are the same
+        Python float additions, in the same order, as reading every step (float32 losses
+        widen to float64 exactly)."""
         if not self.unread:
             return
-        rows = torch.stack(self.unread).tolist()
+        n = len(self.state.metrics)
+        flat = torch.cat([torch.stack(self.unread).double().flatten(), self.skips.values]).tolist()
+        skips = flat[-SkipCounter.SIZE :]
+        rows = [flat[i : i + n] for i in range(0, n * len(self.unread), n)]
         self.unread = []
         for row in rows:
             self.counters["nan"] += int(not math.isfinite(row[0]))  # the headline metric
             for name, value in zip(self.state.metrics, row):
                 self.interval_loss[name] = self.interval_loss.get(name, 0.0) + value
+        self.counters["skipped"] = self.skips.check(self.state, skips)
 
     def log_if_due(self, stats: StepStats) -> None:
         """The interval's line (with an evaluation when one is due)."""

@@ -1,6 +1,13 @@
 """AdamW for every implemented level: plain (fp32, fp16, te), with FP32 masters (bf16), or
 LowBitAdamW (O1-O3), optionally sharded over data-parallel ranks (ZeRO-1); gradient clipping.
 
+A step with non-finite gradients is skipped on the device (``TrainOptimizer.step(found_inf)``):
+LowBitAdamW masks its own writes, and torch's fused AdamW (the one built for CUDA parameters)
+reads ``found_inf`` itself, so neither makes a host read. torch's foreach AdamW, the CPU's
+(its results are the ones the project's CPU figures and tests were made with; the fused CPU
+kernel rounds a few elements differently), has no device ``found_inf``: there the decision is
+one read of a value in host memory, which waits for nothing.
+
 The bf16 level keeps BF16 parameters for forward/backward, accumulates weight gradients into an
 FP32 ``main_grad`` (the gradient buffers' hooks add each micro-batch's BF16 grad into FP32, so
 accumulation never rounds to BF16) and steps FP32 master copies, then copies them back.
@@ -31,6 +38,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm",
+    "grad_squares",
     "parameter_owners",
     "trainable_parameters",
 ]
@@ -116,7 +124,12 @@ class TrainOptimizer:
         # Keep empty groups: a rank may own no decayed (or no undecayed) tensor, and the
         # scheduler sets lr on every group by position.
         self.low_bit = recipe.weight_grad == "fp8"
-        self.optimizer = _adamw(groups, recipe, opt_cfg)
+        fused = _fused_adamw(self.model_params)
+        self.optimizer = _adamw(groups, recipe, opt_cfg, fused)
+        # Whether ``step`` skips on the device (LowBitAdamW, torch's fused AdamW) or reads
+        # ``found_inf`` on the host (torch's foreach AdamW, in host memory).
+        self.skips_on_device = self.low_bit or fused
+        self.has_states = False  # the optimizer has stepped once: its states exist
         self._state_index = {
             i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
         }
@@ -159,6 +172,17 @@ class TrainOptimizer:
             elif fp8_grad_slot(p).has_data:
                 slot_flags.append(flag)
         return grad_flags, slot_flags
+
+    def grad_positions(self) -> list[int]:
+        """Each of ``grads()`` then ``grad_slots()``: its parameter's index in
+        ``step_params`` (whose names ``stepped_names`` gives, in the same order)."""
+        plain, slots = [], []
+        for i, p in enumerate(self.step_params):
+            if not self._is_slot(p):
+                plain.append(i)
+            elif fp8_grad_slot(p).has_data:
+                slots.append(i)
+        return plain + slots
 
     def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The FP32 gradient (its ``main_grad`` buffer view) of a high-precision ``param``."""
@@ -212,13 +236,35 @@ class TrainOptimizer:
             rest += r
         return masters, rest
 
-    def step(self) -> None:
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """One optimizer step (and the weights' all-gather under the distributed optimizer).
+
+        ``found_inf``: a 0-d tensor, true (or 1) when the gradients are not finite: then the
+        step leaves every weight, master, moment and step counter as it was. Decided on the
+        device where ``skips_on_device``; otherwise (torch's foreach AdamW on the CPU) by one
+        read of it, a value in host memory.
+        """
+        if found_inf is not None and not self.skips_on_device:
+            # A plan's meta step answers a host read with True: it takes the update path.
+            if not bool(torch.logical_not(found_inf)):
+                return
+            found_inf = None
         # AdamW reads .grad: the FP32 main_grad (a view, no copy) on the master where there is
         # one, else on the parameter; FP8 gradient slots are read by LowBitAdamW itself.
         hp = [p for p in self.step_params if not self._is_slot(p)]
         for p in hp:
             self.masters.get(id(p), p).grad = grad_slot(p)
-        self.optimizer.step()
+        if found_inf is None:
+            self.optimizer.step()
+        elif self.low_bit:
+            self.optimizer.step(found_inf=found_inf)
+        else:  # torch's fused AdamW reads it there (as torch.amp.GradScaler sets it)
+            self.optimizer.found_inf = found_inf.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        self.has_states = True
         with torch.no_grad():
             for p in hp:
                 master = self.masters.get(id(p))
@@ -289,9 +335,19 @@ def trainable_parameters(model: torch.nn.Module) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _adamw(groups: list[dict], recipe: PrecisionRecipe, opt_cfg) -> torch.optim.Optimizer:
-    """torch's AdamW, or at O1-O3 (scaled FP16 / FP8 weights with FP8 gradient slots)
-    LowBitAdamW with the moments' dtypes of the precision table."""
+def _fused_adamw(params: list) -> bool:
+    """torch's fused AdamW for CUDA parameters: one kernel over every tensor, and a skipped
+    step decided on the device from its ``found_inf``. Elsewhere its foreach AdamW, which
+    the CPU results were made with (the fused CPU kernel rounds a few elements differently;
+    a plan's meta tensors take the CPU's path, as LowBitAdamW's reference)."""
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+def _adamw(
+    groups: list[dict], recipe: PrecisionRecipe, opt_cfg, fused: bool = False
+) -> torch.optim.Optimizer:
+    """torch's AdamW (``fused``, else foreach), or at O1-O3 (scaled FP16 / FP8 weights with
+    FP8 gradient slots) LowBitAdamW with the moments' dtypes of the precision table."""
     hyper = dict(
         lr=opt_cfg.lr,
         betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
@@ -303,6 +359,8 @@ def _adamw(groups: list[dict], recipe: PrecisionRecipe, opt_cfg) -> torch.optim.
             groups, exp_avg_dtype=recipe.adam_dtypes[0], exp_avg_sq_dtype=recipe.adam_dtypes[1],
             **hyper,
         )  # fmt: skip
+    if fused:
+        return torch.optim.AdamW(groups, fused=True, **hyper)
     return torch.optim.AdamW(groups, foreach=True, **hyper)
 
 
@@ -353,6 +411,24 @@ def build_scheduler(
     )
 
 
+def grad_squares(
+    grads: list[torch.Tensor], slots: list[Fp8GradSlot] = (), device: torch.device | None = None
+) -> torch.Tensor:
+    """The squared L2 norm of each of ``grads`` then ``slots``, a vector on the device (empty,
+    on ``device``, without any): not finite for a gradient that is not, and for an FP8 slot
+    whose amax overflowed."""
+    squares = []
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        squares += [n.square() for n in norms]
+    for slot in slots:
+        # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
+        squares.append(
+            torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax.amax()
+        )
+    return torch.stack(squares) if squares else torch.zeros(0, device=device)
+
+
 def clip_grad_norm(
     grads: list[torch.Tensor],
     max_norm: float,
@@ -364,30 +440,24 @@ def clip_grad_norm(
     counted: tuple[list[bool], list[bool]] | None = None,
     dp_group=None,
     device: torch.device | None = None,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of ``grads`` and FP8 ``slots``, clipping all of them when above ``max_norm``.
 
     ``device``: where a rank without gradients makes its zero (the run's device).
+    ``squares``: their ``grad_squares``, when the caller has them already.
     Returns the norm before clipping as a tensor; an overflowed FP8 slot (non-finite amax)
     makes it non-finite so the caller skips the step. Every gradient is clipped, FP8 ones
     included (MS-AMP skips them): for a slot that is a change of its scale only. Under tensor
     parallelism ``sharded`` flags the shards (as ``TrainOptimizer.sharded_flags``): their
     squares are summed over ``tp_group``, replicated gradients are counted once.
     """
-    squares = []
-    if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        squares += [n.square() for n in norms]
-    for slot in slots:
-        # 0 * amax is 0 for a finite amax and NaN for inf/NaN: the overflow shows in the norm.
-        squares.append(
-            torch.linalg.vector_norm(slot.dequantize()).square() + 0.0 * slot.amax.amax()
-        )
+    if squares is None:
+        squares = grad_squares(grads, slots, device)
     # A rank holding no gradients still joins the reductions, on the run's device (nccl
     # reduces no CPU tensors).
-    if not squares and pp_group is None and dp_group is None:
+    if not squares.numel() and pp_group is None and dp_group is None:
         return torch.zeros((), device=device)
-    squares = torch.stack(squares) if squares else torch.zeros(0, device=device)
     if counted is not None:
         keep = torch.tensor(counted[0] + counted[1], dtype=torch.bool, device=squares.device)
         squares = torch.where(keep, squares, torch.zeros_like(squares))

@@ -1,6 +1,11 @@
 """One training step and one evaluation: micro-batches with accumulation, data-parallel
 reduction, unscaling, clipping, the optimizer step (skipped on a non-finite norm), and the step's
-statistics; the mean validation value of each metric."""
+statistics; the mean validation value of each metric.
+
+The step reads no value on the host: whether it is skipped is a device ``found_inf`` that the
+optimizer (TrainOptimizer.step) and the loss scaler act on, and the norm, the skip and the
+first non-finite gradient stay on the device in ``StepStats``; ``SkipCounter`` counts skips
+there and the loop checks them when it reads the losses (training/loop.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +17,13 @@ import torch
 import torch.distributed as dist
 
 from data.sampler import micro_batches
-from fp8train.optim_states import grad_of
-from fp8train.param_state import grad_slot
 from parallel.topology import gather_texts
 from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
-from training.optimizer import clip_grad_norm
+from training.optimizer import clip_grad_norm, grad_squares
 from training.setup import RunState
 
-__all__ = ["StepStats", "TrainingError", "check_skips", "evaluate", "train_step"]
+__all__ = ["SkipCounter", "StepStats", "TrainingError", "evaluate", "train_step"]
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -57,15 +60,19 @@ def _means(reduced: torch.Tensor, clamp: bool = False) -> torch.Tensor:
 class StepStats:
     """What one optimizer step reports.
 
-    The step's losses stay on the device (``means``): ``losses`` and ``loss`` read them on
-    first use, a host sync that the loop makes on logging steps only (training/loop.py).
+    The step's losses, norm and skip stay on the device (``means``, ``norm``, ``found_inf``):
+    ``losses``, ``loss``, ``grad_norm`` and ``skipped`` read them on first use, a host sync
+    that the loop makes on logging steps only (training/loop.py).
     """
 
     metrics: tuple[str, ...]  # the family's metric names, its headline first
     means: torch.Tensor  # each metric's mean this step, in ``metrics`` order, on the device
-    grad_norm: float  # before clipping; not finite on a skipped step
-    skipped: bool  # a non-finite norm: no update, the loss scale backs off
-    nonfinite: str | None  # then: the first non-finite gradient, "name (rank r)"
+    norm: torch.Tensor  # the gradient norm before clipping (0-d); not finite on a skipped step
+    found_inf: torch.Tensor  # 0-d bool: skipped (no update, the loss scale backs off)
+    # 0-d int64: this rank's first parameter (index in optimizer.step_params) whose gradient
+    # norm is not finite, -1 for none; the gradients are zeroed after the step, so it is found
+    # now, on the device, and named only if a run of skips stops the training (SkipCounter).
+    first_nonfinite: torch.Tensor
     comm: dict[str, float]  # bytes this rank sent, per collective
     comm_per_element: dict[str, float]  # bytes per element each collective carried
     fp8_logged: bool  # FP8 cast health was measured (``health``)
@@ -81,6 +88,16 @@ class StepStats:
     def loss(self) -> float:
         """The family's headline metric (its first), this step's mean (a host read)."""
         return self.losses[self.metrics[0]]
+
+    @functools.cached_property
+    def grad_norm(self) -> float:
+        """The gradient norm before clipping (a host read)."""
+        return float(self.norm)
+
+    @functools.cached_property
+    def skipped(self) -> bool:
+        """Whether the step was skipped (a host read)."""
+        return bool(self.found_inf)
 
 
 def train_step(
@@ -124,6 +141,7 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
     if grad_hook is not None:
         grad_hook(state)
     pipeline = state.groups.pipeline
+    squares = grad_squares(grads, slots, state.device)
     grad_norm = clip_grad_norm(
         grads,
         state.cfg.training.clip_grad,
@@ -134,23 +152,18 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
         counted=opt.counted_flags(),
         dp_group=opt.norm_group,
         device=state.device,
+        squares=squares,
     )
-    # The step's one host read of its own: whether to skip. torch's and LowBitAdamW's steps
-    # (moments, step counters on the host) cannot yet be applied under a device-side mask
-    # and leave a skipped step untouched; the norm for the log comes with the same read.
-    norm = float(grad_norm)
-    finite = math.isfinite(norm)
-    nonfinite = None
-    if finite:
-        opt.step()
-    else:  # named before the gradients are zeroed, for the error if skips go on
-        nonfinite = _first_nonfinite_gradient(state)
+    # Skipped or not is decided on the device: the optimizer leaves every weight, master,
+    # moment and step counter as it was where found_inf is set, and the scaler backs off.
+    found_inf = torch.logical_not(torch.isfinite(grad_norm))
+    first_nonfinite = _first_nonfinite(squares, opt.grad_positions())
+    opt.step(found_inf)
     comm = state.meter.step_summary()  # after the step: includes the weights' all-gather
-    if state.bytes_per_param is None and finite:
+    if state.bytes_per_param is None and opt.has_states:
         # Measured once, after the step (optimizer states exist) while gradients are alive.
         state.bytes_per_param = model_state_bytes(state.model, opt)
-    # Decided on the device, from the norm (a host bool would be copied up: a sync on CUDA).
-    scaler.update(found_inf=torch.logical_not(torch.isfinite(grad_norm)))
+    scaler.update(found_inf=found_inf)
     state.scheduler.step(1)
     opt.zero_grad()
     means = _means(_sum_over_replicas(loss_and_tokens, state))  # read by the log, not here
@@ -165,9 +178,9 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
     return StepStats(
         metrics=tuple(state.metrics),
         means=means,
-        grad_norm=norm,
-        skipped=not finite,
-        nonfinite=nonfinite,
+        norm=grad_norm,
+        found_inf=found_inf,
+        first_nonfinite=first_nonfinite,
         comm=comm,
         comm_per_element=state.meter.bytes_per_element(),
         fp8_logged=health,
@@ -180,32 +193,78 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (e.g. diverged); the message says why and what to change."""
 
 
-def _first_nonfinite_gradient(state: RunState) -> str:
-    """``"{name} (rank r)"`` of the first parameter whose gradient is not finite, the lowest
-    rank that holds one first; "none found" when only the norm overflowed. Collective."""
-    opt, found = state.optimizer, ""
-    for name, p in opt.param_names.items():
-        main = grad_slot(p)  # the FP32 buffer view, or an FP8 slot
-        grad = main if isinstance(main, torch.Tensor) else grad_of(p)
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            found = name
-            break
+def _first_nonfinite(squares: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """The smallest of ``positions`` (each gradient's parameter index, as
+    ``TrainOptimizer.grad_positions``) whose squared norm in ``squares`` is not finite; -1 when
+    none is (only the sum overflowed, or another rank's gradient). On the device."""
+    if not positions:
+        return torch.full((), -1, dtype=torch.int64, device=squares.device)
+    none = torch.iinfo(torch.int64).max
+    index = torch.tensor(positions, dtype=torch.int64, device=squares.device)
+    first = torch.where(torch.isfinite(squares), none, index).amin()
+    return torch.where(first == none, -1, first)
+
+
+def _nonfinite_name(state: RunState, index: int) -> str:
+    """``"{name} (rank r)"`` of the first parameter whose gradient is not finite (``index``:
+    this rank's, from ``StepStats.first_nonfinite``), the lowest rank that holds one first;
+    "none found" when only the norm overflowed. Collective."""
+    found = state.optimizer.stepped_names()[index] if index >= 0 else ""
     for rank, name in enumerate(gather_texts(found, state.device)):
         if name:
             return f"{name} (rank {rank})"
     return "none found"
 
 
-def check_skips(state: RunState, consecutive: int, iteration: int, stats: StepStats) -> None:
-    limit = state.cfg.training.max_consecutive_skips
-    if limit and consecutive >= limit:
-        raise TrainingError(
-            f"training: {consecutive} consecutive steps skipped for non-finite gradients, up to "
-            f"iteration {iteration} (training.max_consecutive_skips={limit}); first non-finite "
-            f"gradient: {stats.nonfinite}; loss {stats.loss:.4g}, loss scale "
-            f"{state.scaler.loss_scale:g}. Lower optimizer.lr, check the data, or resume from "
-            "an earlier checkpoint"
+class SkipCounter:
+    """Skipped steps, counted on the device (training.max_consecutive_skips).
+
+    No step reads whether it was skipped: ``record`` updates ``values`` with tensor operations
+    and the loop reads them with the losses when it logs or saves, where ``check`` raises the
+    limit's error for the first run of consecutive skips that reached it, naming the step at
+    which it did (its iteration, first non-finite gradient and loss), however many steps later
+    the read comes. Every rank sees the same skips (the norm is global), so every rank raises
+    at the same read.
+    """
+
+    SIZE = 5  # [skipped steps in the run, consecutive skips now, iteration at which they first
+    # reached the limit (0: not yet), that step's first non-finite gradient index, its loss]
+
+    def __init__(self, state: RunState, skipped: int = 0):
+        self.limit = state.cfg.training.max_consecutive_skips
+        self.values = torch.tensor(
+            [skipped, 0, 0, -1, math.nan], dtype=torch.float64, device=state.device
         )
+
+    def record(self, stats: StepStats, iteration: int) -> None:
+        """Count ``stats``'s step, the run's ``iteration``-th (on the device)."""
+        total, streak, tripped, index, loss = self.values.unbind()
+        skipped = stats.found_inf.to(torch.float64)
+        streak = (streak + 1) * skipped  # 0 after a step that was not skipped
+        trip = (streak >= (self.limit or math.inf)) & (tripped == 0)
+        first = stats.first_nonfinite.to(torch.float64)
+        update = [
+            total + skipped,
+            streak,
+            torch.where(trip, iteration, tripped),
+            torch.where(trip, first, index),
+            torch.where(trip, stats.means[0].to(torch.float64), loss),
+        ]
+        self.values.copy_(torch.stack(update))
+
+    def check(self, state: RunState, values: list[float]) -> int:
+        """The run's skipped steps from ``values`` (``self.values`` as read); raises
+        TrainingError when consecutive skips reached the limit. Collective when it raises."""
+        skipped, _, tripped, index, loss = values
+        if tripped:
+            raise TrainingError(
+                f"training: {self.limit} consecutive steps skipped for non-finite gradients, up "
+                f"to iteration {int(tripped)} (training.max_consecutive_skips={self.limit}); "
+                f"first non-finite gradient: {_nonfinite_name(state, int(index))}; loss "
+                f"{loss:.4g}, loss scale {state.scaler.loss_scale:g}. Lower optimizer.lr, check "
+                "the data, or resume from an earlier checkpoint"
+            )
+        return int(skipped)
 
 
 @torch.no_grad()
