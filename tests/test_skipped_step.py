@@ -181,9 +181,7 @@ def _stopped(tiny_data, tmp_path, interval: int) -> str:
     return str(err.value)
 
 
-def test_consecutive_skips_stop_the_run_naming_the_step_that_reached_the_limit(
-    tiny_data, tmp_path
-):
+def test_consecutive_skips_stop_the_run_naming_the_step_that_reached_the_limit(tiny_data, tmp_path):
     """The limit's error is the same whether the loop reads the skips every step or 4 steps
     later: the iteration at which the consecutive skips reached the limit, the first
     non-finite gradient and the loss of that step."""
