@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused_casts import saturating_cast
-
 __all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_health", "cast_to_fp8"]
 
 
@@ -61,12 +59,12 @@ def cast_to_fp8(
 
     The multiply happens in fp32 (bf16/fp16 inputs widen exactly, so an unscaled cast rounds
     once). ``clamp`` keeps NaN as NaN and maps ±inf to ±max, which is the saturating convention.
+    Eagerly these are three kernels; inside a compiled region (``training.compile``) the
+    compiler fuses them, with the amax and any transposed copy of the same tensor, into one
+    kernel per pass (``Float8Tensor.quantize``).
     """
     if scale is None:
         y = x.float().clamp(-fmt.max, fmt.max)  # out of place: x.float() may be x itself
-    elif isinstance(scale, torch.Tensor):
-        # One kernel on CUDA (fused_casts.py); the same operations eagerly elsewhere.
-        return saturating_cast(x, scale, fmt.max, fmt.dtype)
     else:
         y = (x.float() * scale).clamp_(-fmt.max, fmt.max)
     return y.to(fmt.dtype)

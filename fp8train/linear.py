@@ -129,27 +129,35 @@ def _quantize(
     health=None,
     role: str = "",
     scale: torch.Tensor | None = None,
+    transpose: bool = False,
 ) -> Float8Tensor:
     if scale is None:
         scale = state.cast_scale(x.abs().amax(), update=update)
-    q = Float8Tensor.quantize(x, state.fmt, scale)
+    q = Float8Tensor.quantize(x, state.fmt, scale, transpose)
     if health is not None:
         _record_health(health, role, x, q, scale)
     return q
 
 
 def _forward_quantize(
-    x: torch.Tensor, state: ScalingState, update: bool, health, role: str, amax_sync=None
+    x: torch.Tensor,
+    state: ScalingState,
+    update: bool,
+    health,
+    role: str,
+    amax_sync=None,
+    transpose: bool = False,
 ) -> Float8Tensor:
     """A forward-pass cast, recorded or replayed when inside a checkpointed region.
 
     ``amax_sync``: turns the local amax into the one every rank that shares this tensor uses
     (a MAX all-reduce), so their FP8 bytes share one scale and can be concatenated.
+    ``transpose``: also write the transposed layout (``Float8Tensor.quantize``).
     """
     log, replay = _active_log()
     if replay:
         # The original forward already updated the state and measured cast health.
-        return _quantize(x, state, False, None, role, scale=log.replay(state))
+        return _quantize(x, state, False, None, role, log.replay(state), transpose)
     amax = x.abs().amax()
     if amax_sync is not None:
         amax = amax_sync(amax)
@@ -158,7 +166,7 @@ def _forward_quantize(
         scale = torch.ops.fp8train.forward_scale(scale)  # kept for a compiled recompute
     if log is not None:
         log.entries.append((state, scale))  # a fresh tensor: later updates do not touch it
-    return _quantize(x, state, update, health, role, scale=scale)
+    return _quantize(x, state, update, health, role, scale, transpose)
 
 
 # Compiled, a checkpointed region's recompute is part of the backward graph: it would
@@ -209,6 +217,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         wgrad_sink,
         w8_data,
         w8_scale_inv,
+        w8_t,
         x_state,
         w_state,
         g_state,
@@ -221,19 +230,28 @@ class Fp8LinearFunction(torch.autograd.Function):
         # input_comm (sequence parallelism): x is this rank's rows; they are cast with a scale
         # agreed over the group, the FP8 bytes all-gathered (1 byte per element on the wire),
         # and the input gradient reduce-scattered back to this rank's rows.
+        # cuBLASLt reads the weight-gradient GEMM's operands as xᵀ and gᵀ row-major: the casts
+        # write those layouts beside their own (one pass when compiled). The emulation reads
+        # any layout. Decided by the backend bound at build time, never by values.
+        layouts = backend == "scaled_mm"
         sync = None if input_comm is None else input_comm.sync_amax
-        x8 = _forward_quantize(x, x_state, update, health, "input", amax_sync=sync)
-        if input_comm is not None:
-            x8 = Float8Tensor(input_comm.gather(x8.data), x8.scale_inv, E4M3)  # all rows
+        x8 = _forward_quantize(
+            x, x_state, update, health, "input", sync, transpose=layouts and input_comm is None
+        )
+        if input_comm is not None:  # all rows, the transposed layout made after the gather
+            rows = input_comm.gather(x8.data)
+            x8 = Float8Tensor(rows, x8.scale_inv, E4M3, rows.t().contiguous() if layouts else None)
         # Linear.weight_fp8; None at O3, where the stored weight is the FP8 operand (one
-        # tensor is not passed twice: compile refuses duplicate inputs).
-        w8 = Float8Tensor(weight if w8_data is None else w8_data, w8_scale_inv, E4M3)
+        # tensor is not passed twice: compile refuses duplicate inputs). ``w8_t``: its
+        # transpose, cast once per step where later micro-batches read it (else None).
+        w8 = Float8Tensor(weight if w8_data is None else w8_data, w8_scale_inv, E4M3, w8_t)
         if update and not x_state.managed:  # no model table folds them: fold them now
             fold([x_state, w_state])
         # The activation's dtype written directly, the bias added before its one rounding
         # (inside the GEMM on CUDA).
         y = fp8_gemm(x8, w8, x.dtype, backend, bias=bias, fast_accum=fast_accum)
-        ctx.save_for_backward(x8.data, x8.scale_inv, w8.data, w8.scale_inv)
+        # Only xᵀ is kept for backward (the weight-gradient GEMM's operand): the same bytes.
+        ctx.save_for_backward(x8.t().data, x8.scale_inv, w8.data, w8.scale_inv, w8_t)
         ctx.g_state, ctx.update, ctx.health = g_state, update, health
         ctx.backend, ctx.sink = backend, wgrad_sink is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -242,14 +260,16 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
-        x8, w8 = Float8Tensor(x_data, x_sinv, E4M3), Float8Tensor(w_data, w_sinv, E4M3)
+        xt_data, x_sinv, w_data, w_sinv, w_t = ctx.saved_tensors
+        xt8 = Float8Tensor(xt_data, x_sinv, E4M3)  # xᵀ [K, M]
+        w8 = Float8Tensor(w_data, w_sinv, E4M3, w_t)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b, need_sink = ctx.needs_input_grad[:4]
         need_w = need_sink if ctx.sink else need_w
         dx = dw = db = None
         if need_x or need_w:
-            g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output")
+            transpose = need_w and ctx.backend == "scaled_mm"  # gᵀ for the weight gradient
+            g8 = _quantize(g, ctx.g_state, ctx.update, ctx.health, "grad_output", None, transpose)
             if ctx.update and not ctx.g_state.managed:
                 fold([ctx.g_state])
             if need_x:
@@ -258,13 +278,13 @@ class Fp8LinearFunction(torch.autograd.Function):
                     dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
             if need_w:
                 out = torch.float32 if ctx.sink else w_dtype
-                dw = fp8_gemm(g8.t(), x8.t(), out_dtype=out, backend=ctx.backend)
+                dw = fp8_gemm(g8.t(), xt8, out_dtype=out, backend=ctx.backend)
         if need_b:
             db = g.float().sum(0).to(b_dtype)
         # FP8 weight-gradient levels: the FP32 weight gradient goes to the slot's sink (its
         # hook accumulates it into the FP8 slot), the weight itself gets none from autograd.
         dw, dsink = (None, dw) if ctx.sink else (dw, None)
-        return dx, dw, db, dsink, *[None] * 11
+        return dx, dw, db, dsink, *[None] * 12
 
 
 class Linear(nn.Module):
@@ -305,9 +325,12 @@ class Linear(nn.Module):
         # reads a string, so a compiled step holds no lookup of a global or the environment.
         self.gemm_backend: str | None = None
         self._backend_device: str | None = None
-        # The weight's FP8 cast, kept for the micro-batches of one step (weight_fp8).
+        # The weight's FP8 cast, kept for the micro-batches of one step (weight_fp8):
+        # reuse_weight_cast reads it; keep_weight_cast says later micro-batches will, so the
+        # cast also writes the transpose that the input-gradient GEMM reads, kept with it.
         self.reuse_weight_cast = False
-        self._weight_cast: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.keep_weight_cast = False
+        self._weight_cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.health: HealthRecord | None = None
         if self.fp8:
             self.health = HealthRecord(health_keys(ROLES, self.scaling.granularity), device)
@@ -399,14 +422,25 @@ class Linear(nn.Module):
         of a step but the first (the weight changes only at the optimizer step), the kept
         cast is read again, so the weight is cast once per step (Transformer Engine's
         ``is_first_microbatch``); ``release_weight_cast`` drops it after the step. A compiled
-        layer casts again with the scale of the first cast: the same bytes."""
+        layer casts again with the scale of the first cast: the same bytes.
+
+        With ``keep_weight_cast`` (later micro-batches will read it) and the cuBLASLt backend,
+        the cast also writes Wᵀ, the input-gradient GEMM's operand (``data_t``), kept with
+        it: one transpose per step, not one per micro-batch. At O3, of the stored weight."""
         scale_inv = getattr(self, "weight_scale_inv", None)
-        if self.weight.dtype == E4M3.dtype:
-            return Float8Tensor(self.weight, scale_inv, E4M3)
         compiling = torch.compiler.is_compiling()
         reuse = self.training and self.reuse_weight_cast
-        if reuse and self._weight_cast is not None and health is None:
-            return Float8Tensor(*self._weight_cast[:2], E4M3)
+        keep = self.training and self.keep_weight_cast and not compiling
+        transpose = keep and self.gemm_backend == "scaled_mm"
+        cached = self._weight_cast if reuse else None
+        if self.weight.dtype == E4M3.dtype:
+            if cached is None and transpose:
+                with torch.no_grad():
+                    cached = (self.weight, scale_inv, self.weight.t().contiguous())
+                self._weight_cast = cached
+            return Float8Tensor(self.weight, scale_inv, E4M3, None if cached is None else cached[2])
+        if cached is not None and health is None:
+            return Float8Tensor(*cached[:2], E4M3, cached[2])
         with torch.no_grad():  # fp32 (te) or tensor-scaled fp16 (O1/O2)
             w = self.weight if scale_inv is None else self.weight.float() * scale_inv
             if reuse:
@@ -417,15 +451,17 @@ class Linear(nn.Module):
                 if compiling:
                     scale = torch.ops.fp8train.forward_scale(scale)
                 return _quantize(w, self.fp8_weight, False, health, "weight", scale=scale)
-            w8 = _forward_quantize(w, self.fp8_weight, self.training, health, "weight")
+            w8 = _forward_quantize(
+                w, self.fp8_weight, self.training, health, "weight", transpose=transpose
+            )
         if self.training and not compiling:
-            self._weight_cast = (w8.data, w8.scale_inv)
+            self._weight_cast = (w8.data, w8.scale_inv, w8.data_t)
         return w8
 
     def release_weight_cast(self) -> None:
         """Drop the kept weight cast (its memory) and stop reusing it."""
         self._weight_cast = None
-        self.reuse_weight_cast = False
+        self.reuse_weight_cast = self.keep_weight_cast = False
 
     def _wgrad_sink(self) -> torch.Tensor | None:
         """The sink of the weight's FP8 gradient slot (O1-O3), where backward hands the FP32
@@ -470,6 +506,7 @@ class Linear(nn.Module):
             self._wgrad_sink(),
             None if w8.data is self.weight else w8.data,
             w8.scale_inv,
+            w8.data_t,
             self.fp8_input,
             self.fp8_weight,
             self.fp8_grad_output,

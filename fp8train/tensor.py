@@ -27,29 +27,51 @@ class Float8Tensor:
     data: torch.Tensor
     scale_inv: torch.Tensor
     fmt: FP8Format
+    # The same values transposed and contiguous ([cols, rows]), where a GEMM reads that
+    # layout (cuBLASLt's operands: the first row-major, the second column-major); None: a
+    # consumer that needs it copies ``data.t()`` itself.
+    data_t: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.data.dtype != self.fmt.dtype:
             raise TypeError(f"Float8Tensor {self.fmt}: data is {self.data.dtype}")
         if self.scale_inv.dtype != torch.float32 or self.scale_inv.numel() != 1:
             raise TypeError("Float8Tensor: scale_inv must be a single fp32 value")
+        if self.data_t is not None and (
+            self.data_t.dtype != self.data.dtype or self.data_t.shape != self.data.shape[::-1]
+        ):
+            raise TypeError("Float8Tensor: data_t must be data's transpose, in its dtype")
 
     @classmethod
     def quantize(
-        cls, x: torch.Tensor, fmt: FP8Format, scale: torch.Tensor | float = 1.0
+        cls,
+        x: torch.Tensor,
+        fmt: FP8Format,
+        scale: torch.Tensor | float = 1.0,
+        transpose: bool = False,
     ) -> Float8Tensor:
-        """Cast ``x * scale`` (saturating, round-to-nearest-even) and keep ``1 / scale``."""
+        """Cast ``x * scale`` (saturating, round-to-nearest-even) and keep ``1 / scale``; with
+        ``transpose`` (2-D ``x``) also the transposed layout, ``data_t``.
+
+        One unit: compiled (``training.compile``), the cast and its transposed copy are one
+        kernel that reads ``x`` once and writes both layouts, as Transformer Engine's
+        cast-transpose does; eagerly the copy reads the 1-byte result, not ``x``."""
         scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         if scale.dim():
             scale = scale.reshape(())
-        return cls(cast_to_fp8(x, fmt, scale), scale.reciprocal(), fmt)
+        data = cast_to_fp8(x, fmt, scale)
+        data_t = data.t().contiguous() if transpose else None
+        return cls(data, scale.reciprocal(), fmt, data_t)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         # fp8 -> fp32 is exact; the one rounding is the product with scale_inv.
         return (self.data.float() * self.scale_inv).to(dtype)
 
     def t(self) -> Float8Tensor:
-        """Transposed view (no copy); the scale is per tensor, so it carries over unchanged."""
+        """The transpose (no copy): ``data_t`` where there is one, so that the GEMM reads a
+        contiguous operand, else a view; the scale is per tensor, so it carries over."""
+        if self.data_t is not None:
+            return Float8Tensor(self.data_t, self.scale_inv, self.fmt, self.data)
         return Float8Tensor(self.data.t(), self.scale_inv, self.fmt)
 
     @property

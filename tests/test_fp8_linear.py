@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp8train.gemm import BACKENDS, scaled_mm_available
 from fp8train.gemm_backend import set_gemm_backend
 from fp8train.linear import Linear
+from fp8train.param_state import fp8_grad_slot
 from fp8train.precision import get_recipe
 from fp8train.scaling import ScalingRecipe
 
@@ -199,3 +200,48 @@ def test_dtype_cast_meta_and_reporting():
     meta.to_empty(device="cpu")
     meta.reset_parameters()
     assert meta.fp8_weight.step.item() == 0 and meta.fp8_weight.scale.item() == 1.0
+
+
+def _two_micro_batches(level: str, keep: bool):
+    """Gradients of two micro-batches of one step through one FP8 linear on the cuBLASLt
+    backend's path (ATen's reference kernel here), with the weight's transpose kept across
+    them (``keep_weight_cast``, as the training loop sets it) or copied per backward."""
+    torch.manual_seed(0)
+    linear = Linear(64, 32, recipe=get_recipe(level))
+    linear.lower_weight_precision()
+    linear.gemm_backend = "scaled_mm"
+    xs = [torch.randn(16, 64, requires_grad=True) for _ in range(2)]
+    transposes = []
+    for micro, x in enumerate(xs):
+        linear.reuse_weight_cast, linear.keep_weight_cast = micro > 0, keep
+        linear(x).square().sum().backward()
+        transposes.append(None if linear._weight_cast is None else linear._weight_cast[2])
+    linear.release_weight_cast()
+    slot = fp8_grad_slot(linear.weight)  # O1-O3: the FP8 gradient slot, bytes and scale
+    wgrad = [linear.weight.grad] if slot is None else [slot.data.view(torch.uint8), slot.scale_inv]
+    return [x.grad for x in xs] + [*wgrad, linear.bias.grad], transposes
+
+
+@pytest.mark.parametrize("level", ["te", "O2", "O3"])
+def test_the_kept_weight_transpose_changes_no_bit_and_is_made_once_per_step(level):
+    # Bitwise: the kept transpose holds the bytes the per-backward copy would make, and the
+    # GEMMs read the same contiguous operands in the same order on the same shapes.
+    kept, transposes = _two_micro_batches(level, keep=True)
+    copied, none = _two_micro_batches(level, keep=False)
+    for a, b in zip(kept, copied):
+        assert torch.equal(a, b)
+    assert transposes[0] is not None and transposes[1] is transposes[0]  # made once
+    assert none == [None, None]
+
+
+def test_backward_keeps_only_the_transposed_fp8_input():
+    # The weight-gradient GEMM reads xᵀ: the forward keeps it (1 byte per element), not x.
+    linear = Linear(64, 32, recipe=get_recipe("te"))
+    linear.gemm_backend = "scaled_mm"
+    x = torch.randn(16, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear(x)
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert [tuple(t.shape) for t in fp8] == [(64, 16), (32, 64)]  # xᵀ and W
+    assert all(t.is_contiguous() for t in fp8)

@@ -6,9 +6,10 @@ to a cast, a GEMM or the scaling update shows up here, not as a slower step on a
 
 - One FP8 linear's forward and backward at te, on a micro-batch after a step's first (the
   weight's cast is kept: ``Linear.weight_fp8``), with its scaling state in a model's table
-  (``fp8train.scaling_table``): at most 40 operations (155 before the table, the kept weight
-  cast and the lean scale formula). O1-O3 add the FP8 weight gradient's accumulation into its
-  slot (dequantize, add, re-cast with a fresh scale).
+  (``fp8train.scaling_table``): 38 operations (155 before the table, the kept weight cast and
+  its kept transpose, and the lean scale formula; the issue's bar was 40). O1-O3 add the FP8
+  weight gradient's accumulation into its slot (dequantize, add, re-cast with a fresh scale),
+  run by a backward into the slot's sink.
 - The scaling update is one batch per pass whatever the number of layers: a training step of
   a 1-layer and of a 3-layer GPT fold the same number of times, with the same operations.
 """
@@ -48,7 +49,7 @@ class _CountOps(TorchDispatchMode):
 
 
 # Per level: the bar, and what it is made of today (for the message when it moves).
-BARS = {"te": 40, "O1": 65, "O2": 65, "O3": 62}
+BARS = {"te": 38, "O1": 57, "O2": 57, "O3": 57}
 
 
 @pytest.mark.parametrize("level", list(BARS))
@@ -60,14 +61,19 @@ def test_one_fp8_linear_forward_and_backward(level):
     table = ScalingTable(linear)
     x = torch.randn(16, 64, requires_grad=True)
     params = [p for p in (linear.weight, linear.bias) if p.requires_grad]
+    linear.keep_weight_cast = True  # a step of several micro-batches, as the loop sets it
     for _ in range(2):  # past delayed scaling's warm-up; the first micro-batch casts W
         torch.autograd.grad(linear(x).sum(), [x, *params], allow_unused=True)
         table.fold()
     linear.reuse_weight_cast = True
     g = torch.ones(16, 32)
+    sink = linear._wgrad_sink()  # O1-O3: the FP8 slot's accumulation is the linear's own
     with _CountOps() as count:
-        # autograd.grad: no AccumulateGrad into .grad, which is autograd's, not the linear's
-        torch.autograd.grad(linear(x), [x, *params], g, allow_unused=True)
+        y = linear(x)
+        if sink is None:  # autograd.grad: no AccumulateGrad into .grad (autograd's, not ours)
+            torch.autograd.grad(y, [x, *params], g, allow_unused=True)
+        else:  # the sink's hook runs on accumulation: a backward into it alone
+            torch.autograd.backward(y, g, inputs=[sink])
     assert count.total <= BARS[level], dict(count.ops)
 
 

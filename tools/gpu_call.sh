@@ -9,7 +9,6 @@
 #   bash tools/gpu_call.sh compile-rest [SECONDS]  # right after it, on the warm machine: the
 #                                                  # rows and optimizer levels it did not reach
 #   bash tools/gpu_call.sh measure [SECONDS]       # versions, FP8 linear, GPT 1.3B levels, tests
-#   bash tools/gpu_call.sh fused [SECONDS]         # fused FP8 casts against eager, 1.3B te:bf16
 #   bash tools/gpu_call.sh max-size [SECONDS]      # largest GPT at bf16 and O2
 #
 # The device tool's `run` calls it with `carry: [".whl"]` (tools/fetch_gpu_wheels.sh).
@@ -17,7 +16,7 @@
 # and JSON per process) in $WORK, which a warm machine keeps between calls, and pack them
 # into $OUT/raw.tar.gz at the end.
 set -u
-phase=${1:?compile, compile-rest, measure, fused or max-size}
+phase=${1:?compile, compile-rest, measure or max-size}
 case $phase in
 compile) deadline=${2:-530} ;;
 compile-rest) deadline=${2:-240} ;;
@@ -186,21 +185,6 @@ if [ "$phase" = measure ]; then
         tests/test_initialize.py tests/test_recompute.py tests/test_gpt_model.py \
         tests/test_bench_gpu.py >"$OUT/tests.log" 2>&1
     log "tests rc=$?"
-elif [ "$phase" = fused ]; then
-    # The fused FP8 casts (fp8train/fused_casts.py) side by side with the eager ones.
-    for fused in 0 1; do
-        log "linear fused=$fused"
-        FP8TRAIN_FUSED_CASTS=$fused timeout "$(budget 45 150)" python3 tools/bench_gpu.py linear \
-            --json "$OUT/linear_fused$fused.json" >"$OUT/linear_fused$fused.log" 2>&1
-    done
-    log "levels te:bf16 fused, profiled"
-    timeout "$(budget 80 75)" python3 tools/bench_gpu.py levels --size 1.3b --steps 5 --warmup 2 \
-        --profile --levels te:bf16 --baselines --json "$OUT/levels_tebf16.json" \
-        >"$OUT/levels_tebf16.log" 2>&1
-    log "levels bf16, O2:bf16 fused"
-    timeout "$(budget 200 3)" python3 tools/bench_gpu.py levels --size 1.3b --steps 5 --warmup 2 \
-        --levels bf16 O2:bf16 --baselines --json "$OUT/levels_ref.json" >"$OUT/levels_ref.log" 2>&1
-    log "done"
 elif [ "$phase" = max-size ]; then
     log "max-size"
     # Built on the GPU (host initialisation of a 10B model takes minutes per attempt); bf16

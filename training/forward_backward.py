@@ -65,11 +65,13 @@ def track_health(state, on: bool) -> None:
         module.track_health = on
 
 
-def _reuse_weight_casts(state, micro: int) -> None:
+def _reuse_weight_casts(state, micro: int, n_micro: int) -> None:
     """The FP8 weights are cast by a step's first micro-batch and read again by the others
-    (``Linear.weight_fp8``): the weights change only at the optimizer step."""
+    (``Linear.weight_fp8``): the weights change only at the optimizer step. When others will
+    read it, the first also keeps the weights' transposes (one per step)."""
     for module in _fp8_linears(state):
         module.reuse_weight_cast = micro > 0
+        module.keep_weight_cast = n_micro > 1
 
 
 def _release_weight_casts(state) -> None:
@@ -99,7 +101,7 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
         if state.engine is None:
             for micro, batch in enumerate(batches):
                 track_health(state, health and micro == n_micro - 1)
-                _reuse_weight_casts(state, micro)
+                _reuse_weight_casts(state, micro, n_micro)
                 with _autocast(state):
                     output = model.forward_chunk(0, None, family.model_inputs(batch))
                 table.fold()
@@ -111,7 +113,7 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
         def forward(chunk: int, micro: int, hidden):
             if health and micro == n_micro - 1:
                 track_health(state, True)
-            _reuse_weight_casts(state, micro)
+            _reuse_weight_casts(state, micro, n_micro)
             batch = batches[micro]
             with _autocast(state):
                 out = model.forward_chunk(chunk, hidden, family.model_inputs(batch))
