@@ -87,10 +87,9 @@ def coefficients(
     """
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     beta1, beta2 = group["betas"]
-    device = bc2_sqrt.device
-    hyper = torch.tensor(
-        [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, eps], dtype=torch.float32, device=device
-    )
+    # Copied up without blocking: a blocking copy to a CUDA device waits for its stream.
+    hyper = torch.tensor([1 - lr * wd, 1 - beta1, beta2, 1 - beta2, eps], dtype=torch.float32)
+    hyper = hyper.to(bc2_sqrt.device, non_blocking=True)
     n = bc2_sqrt.numel()
     rows = torch.cat([hyper.expand(n, 5), neg_step_size.float()[:, None], bc2_sqrt[:, None]], 1)
     return list(rows.unbind(0))

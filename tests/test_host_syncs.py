@@ -35,8 +35,8 @@ import torch
 from conftest import REPO, tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data.sampler import micro_batches
 import training.optimizer
+from data.sampler import micro_batches
 from training.config import load_config
 from training.loop import _Run
 from training.setup import build_run

@@ -1,7 +1,7 @@
 """AdamW for every implemented level: plain (fp32, fp16, te), with FP32 masters (bf16), or
 LowBitAdamW (O1-O3), optionally sharded over data-parallel ranks (ZeRO-1); gradient clipping.
 
-A step with non-finite gradients is skipped on the device (``TrainOptimizer.step(found_inf)``):
+A step with non-finite gradients is skipped on the device (``TrainOptimizer.found_inf``):
 LowBitAdamW masks its own writes, and torch's fused AdamW (the one built for CUDA parameters)
 reads ``found_inf`` itself, so neither makes a host read. torch's foreach AdamW, the CPU's
 (its results are the ones the project's CPU figures and tests were made with; the fused CPU
@@ -38,6 +38,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm",
+    "device_values",
     "grad_squares",
     "parameter_owners",
     "trainable_parameters",
@@ -130,6 +131,10 @@ class TrainOptimizer:
         # ``found_inf`` on the host (torch's foreach AdamW, in host memory).
         self.skips_on_device = self.low_bit or fused
         self.has_states = False  # the optimizer has stepped once: its states exist
+        # Set by the caller before ``step``, for that step only (torch's convention, as
+        # torch.amp.GradScaler sets a fused optimizer's): a 0-d device tensor, true (or 1)
+        # when the gradients are not finite. None: the step is taken.
+        self.found_inf: torch.Tensor | None = None
         self._state_index = {
             i: k for k, i in enumerate(j for j, own in enumerate(self.owned) if own)
         }
@@ -236,14 +241,14 @@ class TrainOptimizer:
             rest += r
         return masters, rest
 
-    def step(self, found_inf: torch.Tensor | None = None) -> None:
+    def step(self) -> None:
         """One optimizer step (and the weights' all-gather under the distributed optimizer).
 
-        ``found_inf``: a 0-d tensor, true (or 1) when the gradients are not finite: then the
-        step leaves every weight, master, moment and step counter as it was. Decided on the
-        device where ``skips_on_device``; otherwise (torch's foreach AdamW on the CPU) by one
-        read of it, a value in host memory.
+        Where ``found_inf`` is set (and true) the step leaves every weight, master, moment and
+        step counter as it was: decided on the device where ``skips_on_device``, otherwise
+        (torch's foreach AdamW on the CPU) by one read of it, a value in host memory.
         """
+        found_inf, self.found_inf = self.found_inf, None
         if found_inf is not None and not self.skips_on_device:
             # A plan's meta step answers a host read with True: it takes the update path.
             if not bool(torch.logical_not(found_inf)):
@@ -411,6 +416,15 @@ def build_scheduler(
     )
 
 
+def device_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (from the host) as a tensor on ``device``, without waiting for it. A tensor
+    made there directly (``torch.tensor(values, device=...)``) is a blocking copy, which on
+    CUDA synchronises the stream: the host waits for every kernel queued before it. A
+    non-blocking copy from pageable host memory is staged by the driver at once and waits for
+    nothing."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def grad_squares(
     grads: list[torch.Tensor], slots: list[Fp8GradSlot] = (), device: torch.device | None = None
 ) -> torch.Tensor:
@@ -459,18 +473,14 @@ def clip_grad_norm(
     if not squares.numel() and pp_group is None and dp_group is None:
         return torch.zeros((), device=device)
     if counted is not None:
-        keep = torch.tensor(counted[0] + counted[1], dtype=torch.bool, device=squares.device)
+        keep = device_values(counted[0] + counted[1], torch.bool, squares.device)
         squares = torch.where(keep, squares, torch.zeros_like(squares))
     if tp_group is not None and tp_group.size() > 1:
         # Positions from the host's flags, not a boolean mask: the same elements in the same
         # order, with shapes known before the values (a plan on fake tensors has no values).
         flags = sharded[0] + sharded[1]
         picked = [
-            torch.tensor(
-                [i for i, f in enumerate(flags) if f == want],
-                dtype=torch.long,
-                device=squares.device,
-            )
+            device_values([i for i, f in enumerate(flags) if f == want], torch.long, squares.device)
             for want in (True, False)
         ]
         parts = torch.stack([squares[p].sum() for p in picked])

@@ -3,7 +3,7 @@ reduction, unscaling, clipping, the optimizer step (skipped on a non-finite norm
 statistics; the mean validation value of each metric.
 
 The step reads no value on the host: whether it is skipped is a device ``found_inf`` that the
-optimizer (TrainOptimizer.step) and the loss scaler act on, and the norm, the skip and the
+optimizer (TrainOptimizer.found_inf) and the loss scaler act on, and the norm, the skip and the
 first non-finite gradient stay on the device in ``StepStats``; ``SkipCounter`` counts skips
 there and the loop checks them when it reads the losses (training/loop.py)."""
 
@@ -20,7 +20,7 @@ from data.sampler import micro_batches
 from parallel.topology import gather_texts
 from training.forward_backward import forward_backward, forward_only
 from training.memory import model_state_bytes
-from training.optimizer import clip_grad_norm, grad_squares
+from training.optimizer import clip_grad_norm, device_values, grad_squares
 from training.setup import RunState
 
 __all__ = ["SkipCounter", "StepStats", "TrainingError", "evaluate", "train_step"]
@@ -158,7 +158,8 @@ def _after_backward(state: RunState, loss_and_tokens, health: bool, grad_hook) -
     # moment and step counter as it was where found_inf is set, and the scaler backs off.
     found_inf = torch.logical_not(torch.isfinite(grad_norm))
     first_nonfinite = _first_nonfinite(squares, opt.grad_positions())
-    opt.step(found_inf)
+    opt.found_inf = found_inf
+    opt.step()
     comm = state.meter.step_summary()  # after the step: includes the weights' all-gather
     if state.bytes_per_param is None and opt.has_states:
         # Measured once, after the step (optimizer states exist) while gradients are alive.
@@ -200,7 +201,7 @@ def _first_nonfinite(squares: torch.Tensor, positions: list[int]) -> torch.Tenso
     if not positions:
         return torch.full((), -1, dtype=torch.int64, device=squares.device)
     none = torch.iinfo(torch.int64).max
-    index = torch.tensor(positions, dtype=torch.int64, device=squares.device)
+    index = device_values(positions, torch.int64, squares.device)
     first = torch.where(torch.isfinite(squares), none, index).amin()
     return torch.where(first == none, -1, first)
 
