@@ -10,8 +10,18 @@ in the layout that GEMM reduces over, from the high-precision tensor, with curre
 ``block``: x, g, gᵀ and xᵀ in 1x128 tiles, W in 128x128 blocks whose transpose is Wᵀ's
 quantization (one cast of the weight serves both GEMMs, the reason for square blocks).
 ``row``: one scale per row of each operand, so Wᵀ is a second cast of the weight.
+A tensor and its transpose are one cast unit (``blockwise.quantize_operand`` and
+``quantize_transposed``): both computed from the tensor as it lies, the transposed bytes
+written contiguous, every scale grid in the layout cuBLASLt reads, so no GEMM copies an operand
+or a scale (compiled, the compiler fuses the unit into passes that read the tensor once).
 What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activation, as the
-per-tensor path keeps x) and Wᵀ (a view at ``block``).
+per-tensor path keeps x) and Wᵀ (at ``block`` a view of W's bytes for the emulation, their
+transposed copy where cuBLASLt reads it, whose second operand is column-major).
+
+The GEMMs (``gemm.fp8_gemm``): row-wise on ``torch._scaled_mm``, block-wise on cuBLASLt's
+block-scaled kernel where it was bound (``block_scaled_mm``), else the emulation. The forward
+GEMM writes the activation's dtype with the bias added before its one rounding (in cuBLASLt's
+epilogue where it adds it), with the recipe's fast accumulation on ``torch._scaled_mm``.
 
 No scaling state: every scale is this step's, so activation recompute casts the same bytes
 again. Under sequence parallelism (``input_comm``) each rank casts its own rows (their scales
@@ -24,8 +34,9 @@ The weight is read in high precision: FP32 or BF16 (te), or the tensor-scaled FP
 dequantized (O1, O2). At O1-O3 the weight gradient, an FP32 GEMM output, is added to
 the weight's FP8 gradient slot, scaled like the operands: one scale per row (``row``) or per
 128x128 block (``block``), each from its own amax at every accumulation. O3 at ``block``
-stores the FP8 weight in its 128x128 blocks (``Linear.lower_weight_precision``): it is read as
-it is, with no cast in the step; O3 at ``row`` is refused there.
+stores the FP8 weight in its 128x128 blocks (``Linear.lower_weight_precision``): both GEMMs
+read those bytes as they are, with no cast in the step (cuBLASLt's input-gradient GEMM reads
+their transposed copy); O3 at ``row`` is refused there.
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ from .blockwise import (
     fit_block,
     operand_block,
     per_element,
-    quantize_blocks,
+    quantize_operand,
+    quantize_transposed,
 )
 from .formats import E4M3, FORMATS, cast_health
 from .gemm import fp8_gemm
@@ -49,8 +61,25 @@ __all__ = ["BlockFp8LinearFunction", "block_health"]
 
 
 def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
+    """``x [R, C]`` cast along C (its columns)."""
     block = operand_block(scaling.granularity, weight, x.shape[1])
-    return quantize_blocks(x, fmt, block, scaling.margin, scaling.power_of_two)
+    return quantize_operand(x, fmt, block, scaling.margin, scaling.power_of_two)
+
+
+def _cast_t(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
+    """``xᵀ [C, R]`` cast along R (x's rows), from ``x`` as it lies."""
+    block = operand_block(scaling.granularity, weight, x.shape[0])
+    return quantize_transposed(x, fmt, block, scaling.margin, scaling.power_of_two)
+
+
+def _transposed(w8: BlockFloat8Tensor, layouts: bool) -> BlockFloat8Tensor:
+    """A weight's 128x128 blocks read as its transpose's: a view, or with ``layouts`` (the
+    cuBLASLt backend, whose second operand is a contiguous ``[N, K]`` read column-major) the
+    bytes transposed into a contiguous copy, no cast."""
+    wt8 = w8.t()
+    if not layouts:
+        return wt8
+    return BlockFloat8Tensor(wt8.data.contiguous(), wt8.scale_inv, wt8.fmt, wt8.block)
 
 
 def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
@@ -92,6 +121,9 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         input_comm,
         backend="emulated",
     ):
+        # cuBLASLt's operand layouts (contiguous transposes) where its backend is bound; the
+        # emulation reads views. Decided by the backend bound at build time, never by values.
+        layouts = backend == "scaled_mm"
         if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
             w = None
             block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
@@ -106,22 +138,23 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             x8 = BlockFloat8Tensor(
                 input_comm.gather(x8.data), input_comm.gather_rows(x8.scale_inv), E4M3, x8.block
             )
-        y = fp8_gemm(x8, w8, out_dtype=torch.float32, backend=backend)
-        if bias is not None:
-            y = y + bias.float()
+        y = fp8_gemm(x8, w8, x.dtype, backend, bias=bias, fast_accum=scaling.fast_accum)
         if health is not None and w is not None:  # a stored FP8 weight is not cast here
             block_health(health, "weight", w, w8)
         x_full = x.detach() if input_comm is None else x8.dequantize()
-        xt8 = _cast(x_full.t(), scaling, E4M3, weight=False)  # for dW, along M
+        xt8 = _cast_t(x_full, scaling, E4M3, weight=False)  # for dW, along M
         # For dx, along N: block's 128x128 weight blocks transpose as they are; rows are not.
-        wt8 = w8.t() if scaling.granularity == "block" else _cast(w.t(), scaling, E4M3, True)
+        if scaling.granularity == "block":
+            wt8 = _transposed(w8, layouts)
+        else:
+            wt8 = _cast_t(w, scaling, E4M3, weight=True)
         ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
         ctx.blocks = xt8.block, wt8.block
         ctx.scaling, ctx.health, ctx.backend = scaling, health, backend
         ctx.sink = wgrad_sink is not None
         ctx.input_comm = input_comm
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, g):
@@ -142,7 +175,7 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             if ctx.input_comm is not None:
                 dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
         if need_w:
-            gt8 = _cast(g.t(), ctx.scaling, fmt, weight=False)  # along M
+            gt8 = _cast_t(g, ctx.scaling, fmt, weight=False)  # gᵀ, along M
             if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
                 block_health(ctx.health, "grad_output", g.t(), gt8)
             out = torch.float32 if ctx.sink else w_dtype

@@ -14,6 +14,13 @@ Two backends compute the same thing:
 Which one runs is the caller's to say (``fp8_gemm``'s ``backend``, the emulation when none is
 given): choosing, and the race behind "auto", live in ``fp8train.gemm_backend``, which imports
 this module and never the other way round.
+
+Row- and block-scaled operands (``BlockFloat8Tensor``) on "scaled_mm": row-wise scales go to
+``torch._scaled_mm`` (scale_a ``[M, 1]``, scale_b ``[1, N]``) where the device takes them,
+1 x 128 / 128 x 128 ones to cuBLASLt's block-scaled GEMM where ``block_scaled_mm.bind`` found
+it working; the rest, and every block-scaled GEMM on the CPU, to ``blockwise.block_gemm``.
+What a device takes is probed once, when a linear binds its backend (``prepare_scaled_gemm``),
+so a compiled GEMM reads a decided answer.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from . import block_scaled_mm
 from . import device as _device
 from .blockwise import BlockFloat8Tensor, block_gemm
 from .formats import E4M3, E5M2
@@ -37,6 +45,7 @@ __all__ = [
     "cpu_takes_rowwise",
     "fits_scaled_mm",
     "fp8_gemm",
+    "prepare_scaled_gemm",
     "scaled_mm_available",
 ]
 
@@ -167,12 +176,28 @@ def _gemm_cublas(
 
 
 def _gemm_scaled_mm_rowwise(
-    a: BlockFloat8Tensor, b: BlockFloat8Tensor, out_dtype: torch.dtype
+    a: BlockFloat8Tensor,
+    b: BlockFloat8Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    # Row-wise scales as cuBLASLt and ATen take them: scale_a [M, 1], scale_b [1, N].
+    # Row-wise scales as cuBLASLt and ATen take them: scale_a [M, 1], scale_b [1, N]. The
+    # cast unit (blockwise.quantize_operand / quantize_transposed) wrote the operands
+    # contiguous and each scale column contiguous, so these contiguous() calls are no-ops.
     mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
-    scale_b = b.scale_inv.t().contiguous()
-    return call_scaled_mm(mat1, mat2, a.scale_inv.contiguous(), scale_b, out_dtype)
+    scale_a, scale_b = a.scale_inv.contiguous(), b.scale_inv.t().contiguous()
+    if a.data.device.type == "cpu":
+        return call_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype)
+    return torch._scaled_mm(
+        mat1,
+        mat2,
+        scale_a=scale_a,
+        scale_b=scale_b,
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 def _gemm_emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -210,6 +235,18 @@ def cpu_takes_rowwise() -> bool:
     return _cpu_rowwise[0]
 
 
+def prepare_scaled_gemm(device: torch.device | str, granularity: str) -> None:
+    """What a linear that binds the "scaled_mm" backend at ``granularity`` on ``device``
+    asks once, at build time, so that no GEMM, compiled or not, probes the device: whether
+    the CPU's ``_scaled_mm`` takes row-wise scales, whether CUDA's block-scaled kernel runs
+    (``block_scaled_mm.bind``, which says in one line which path it bound)."""
+    device = torch.device(device)
+    if granularity == "row" and device.type == "cpu":
+        cpu_takes_rowwise()
+    elif granularity == "block":
+        block_scaled_mm.bind(device)
+
+
 def fp8_gemm(
     a: Float8Tensor | BlockFloat8Tensor,
     b: Float8Tensor | BlockFloat8Tensor,
@@ -225,7 +262,8 @@ def fp8_gemm(
     machine's pick passes ``gemm_backend.select_gemm_backend(device)``, bound once, as
     ``fp8train.Linear`` does at build time (this function reads no global and no
     environment). Row-wise operands take ``torch._scaled_mm`` where it accepts them,
-    block-wise ones always the exact emulation (``blockwise.block_gemm``).
+    1 x 128 / 128 x 128 ones cuBLASLt's block-scaled GEMM where it was bound
+    (``prepare_scaled_gemm``), the rest the exact emulation (``blockwise.block_gemm``).
 
     ``bias`` [N]: added before the one rounding to ``out_dtype``; on CUDA, per tensor with a
     16-bit output, inside the GEMM (``_fuses_bias``). ``fast_accum``: cuBLASLt's faster,
@@ -239,11 +277,7 @@ def fp8_gemm(
     if any(blocked):
         if not all(blocked):
             raise TypeError("fp8_gemm: both operands per tensor, or both per row/block")
-        if bias is not None:
-            return (fp8_gemm(a, b, torch.float32, backend) + bias.float()).to(out_dtype)
-        if backend == "scaled_mm" and _rowwise_fits_scaled_mm(a, b, out_dtype):
-            return _gemm_scaled_mm_rowwise(a, b, out_dtype)
-        return block_gemm(a, b, out_dtype)
+        return _blocked_gemm(a, b, out_dtype, backend, bias, fast_accum)
     if backend == "scaled_mm" and fits_scaled_mm(a, b):
         if a.data.device.type == "cuda":
             fused = bias is not None and _fuses_bias(a, out_dtype, bias)
@@ -258,6 +292,33 @@ def fp8_gemm(
     if bias is None:
         return gemm(a, b, out_dtype)
     return (gemm(a, b, torch.float32) + bias.float()).to(out_dtype)
+
+
+def _blocked_gemm(
+    a: BlockFloat8Tensor,
+    b: BlockFloat8Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """``fp8_gemm`` of row- or block-scaled operands: row-wise on ``torch._scaled_mm`` (on
+    CUDA with the bias in its epilogue), 1 x 128 / 128 x 128 on the block-scaled kernel where
+    it was bound, else the emulation; the bias added in FP32 before the one rounding where no
+    kernel adds it."""
+    if backend == "scaled_mm":
+        device = a.data.device
+        # cuBLASLt adds a bias of the output's dtype in its epilogue; the CPU's adds none.
+        takes_bias = bias is None or (device.type != "cpu" and bias.dtype == out_dtype)
+        if takes_bias and _rowwise_fits_scaled_mm(a, b, out_dtype):
+            return _gemm_scaled_mm_rowwise(a, b, out_dtype, bias, fast_accum)
+        kernel = block_scaled_mm.bound(device)
+        if block_scaled_mm.fits(kernel, a, b, out_dtype, bias):
+            return block_scaled_mm.block_scaled_mm(a, b, out_dtype, kernel, bias)
+    if bias is not None:
+        y = _blocked_gemm(a, b, torch.float32, backend, None, fast_accum)
+        return (y + bias.float()).to(out_dtype)
+    return block_gemm(a, b, out_dtype)
 
 
 Gemm = Callable[[Float8Tensor, Float8Tensor, torch.dtype], torch.Tensor]
