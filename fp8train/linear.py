@@ -251,7 +251,13 @@ class Fp8LinearFunction(torch.autograd.Function):
         # (inside the GEMM on CUDA).
         y = fp8_gemm(x8, w8, x.dtype, backend, bias=bias, fast_accum=fast_accum)
         # Only xᵀ is kept for backward (the weight-gradient GEMM's operand): the same bytes.
-        ctx.save_for_backward(x8.t().data, x8.scale_inv, w8.data, w8.scale_inv, w8_t)
+        # Where the cast wrote no transpose, x itself (a saved view of an intermediate would
+        # alias it, which a compiled autograd function refuses); backward takes the view.
+        ctx.x_transposed = x8.data_t is not None
+        x_keep = x8.data_t if ctx.x_transposed else x8.data
+        if input_comm is not None and not ctx.x_transposed and torch.compiler.is_compiling():
+            x_keep = x_keep.clone()  # the gathered rows are a view of the collective's buffer
+        ctx.save_for_backward(x_keep, x8.scale_inv, w8.data, w8.scale_inv, w8_t)
         ctx.g_state, ctx.update, ctx.health = g_state, update, health
         ctx.backend, ctx.sink = backend, wgrad_sink is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -260,8 +266,8 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        xt_data, x_sinv, w_data, w_sinv, w_t = ctx.saved_tensors
-        xt8 = Float8Tensor(xt_data, x_sinv, E4M3)  # xᵀ [K, M]
+        x_keep, x_sinv, w_data, w_sinv, w_t = ctx.saved_tensors
+        xt8 = Float8Tensor(x_keep if ctx.x_transposed else x_keep.t(), x_sinv, E4M3)  # xᵀ [K, M]
         w8 = Float8Tensor(w_data, w_sinv, E4M3, w_t)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b, need_sink = ctx.needs_input_grad[:4]
