@@ -198,8 +198,8 @@ def _read_scales(scale: torch.Tensor, recipe: str, rows: int, k: int, name: str)
             f"{name}: {recipe} scales are read as {shape} fp32 with strides {strides}; got "
             f"{tuple(scale.shape)} {scale.dtype} with strides {scale.stride()}"
         )
-    # From memory, with the kernel's strides, not through the tensor's own view of it.
-    raw = torch.as_strided(scale, shape, strides, scale.storage_offset())
+    # From memory (from the tensor's own offset), with the kernel's strides.
+    raw = scale.as_strided(shape, strides)
     return raw if recipe == RECIPES[TILE] else raw[:kb].t()
 
 

@@ -190,10 +190,11 @@ def cast_blocks(
     block: tuple[int, int],
     margin: int = 0,
     power_of_two: bool = False,
-    fallback: torch.Tensor | float = 1.0,
+    fallback: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_blocks``' cast as ``(bytes, scale grid, amax grid)``; ``fallback``: the scale
-    of a block whose amax is zero or not finite (a tensor of the grid's shape, or a number)."""
+    of a block whose amax is zero or not finite (a tensor of the grid's shape, or a number;
+    None: 1, made like the grid, so a compiled cast on a fake device makes no real tensor)."""
     tiles = _tiled(x.detach(), block)
     amax = tiles.abs().amax(dim=(1, 3)).float()
     scale = compute_scale(amax, fmt, margin, power_of_two, fallback)
@@ -255,7 +256,7 @@ def quantize_operand(
     # Reduced over the tile from a [Kb, R, bk] view: the amax, and so the scales, land
     # K-block-major in memory. Same maxima, same scale formula: quantize_blocks' values.
     amax = tiles.transpose(0, 1).abs().amax(-1).float()
-    scale = compute_scale(amax, fmt, margin, power_of_two, 1.0).t()  # [R, Kb], strides (1, R)
+    scale = compute_scale(amax, fmt, margin, power_of_two).t()  # [R, Kb], strides (1, R)
     data = cast_to_fp8(tiles, fmt, scale[:, :, None]).reshape(r, kb * bk)[:, :k].contiguous()
     return BlockFloat8Tensor(data, scale.reciprocal(), fmt, block)
 
@@ -283,7 +284,7 @@ def quantize_transposed(
     rb = math.ceil(r / br)
     tiles = _padded(x.detach(), 0, rb * br).reshape(rb, br, c)
     amax = tiles.abs().amax(1).float()  # [Rb, C]: one per column tile
-    scale = compute_scale(amax, fmt, margin, power_of_two, 1.0)
+    scale = compute_scale(amax, fmt, margin, power_of_two)
     data = cast_to_fp8(tiles, fmt, scale[:, None, :]).reshape(rb * br, c)[:r]
     # Eagerly a 1-byte transposed copy; compiled, the cast writes this layout itself. One
     # scale per column: [C, 1] with strides (1, 1), as ATen's row-wise scales must be.
