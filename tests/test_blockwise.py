@@ -219,6 +219,23 @@ def test_recipe_and_levels_refuse_what_is_not_built():
         layer.lower_weight_precision()
 
 
+def test_the_config_refuses_e5m2_gradients_at_block():
+    # cuBLASLt's block-scaled GEMM reads E4M3 operands only: a null grad format is E4M3 at
+    # block (E5M2 elsewhere), an explicit E5M2 at block is refused in one line naming the key.
+    from training.config_schema import ConfigError, PrecisionConfig
+
+    block = {"fp8_granularity": "block", "fp8_recipe": "current"}
+    assert PrecisionConfig(level="te", **block).recipe().scaling.grad_format == "e4m3"
+    assert PrecisionConfig(level="O3").recipe().scaling.grad_format == "e5m2"
+    row = PrecisionConfig(level="te", fp8_granularity="row", fp8_recipe="current")
+    assert row.recipe().scaling.grad_format == "e5m2"
+    with pytest.raises(ConfigError, match="set precision.fp8_grad_format=e4m3") as err:
+        PrecisionConfig(level="O2", fp8_grad_format="e5m2", **block)
+    assert "\n" not in str(err.value)
+    e4 = PrecisionConfig(level="te", fp8_grad_format="e4m3")  # per tensor takes E4M3 too
+    assert e4.recipe().scaling.grad_format == "e4m3"
+
+
 def test_health_is_measured_per_block():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(7))
     x[:, 0] = 1e-12  # far below any block's subnormals: flushed to zero

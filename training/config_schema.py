@@ -178,10 +178,11 @@ class PrecisionConfig(_Section):
         "precision.fp8_recipe=current; row is not built for precision.level O3, whose FP8 "
         "weights are stored in the same 128x128 blocks at block.",
     )
-    fp8_grad_format: Literal["e5m2", "e4m3"] = _f(
-        "e5m2",
-        "FP8 format of the output gradient: e5m2 (the hybrid recipe) or e4m3 (the block "
-        "recipes' choice).",
+    fp8_grad_format: Literal["e5m2", "e4m3"] | None = _f(
+        None,
+        "FP8 format of the output gradient: e5m2 (the hybrid recipe) or e4m3; null = e4m3 at "
+        "fp8_granularity=block (the block-scaled GEMM takes E4M3 operands only; e5m2 is "
+        "refused there), e5m2 otherwise.",
     )
     fp8_fast_accum: bool = _f(
         True,
@@ -223,6 +224,11 @@ class PrecisionConfig(_Section):
                 f"{key} scales from each row's or block's current amax: set "
                 "precision.fp8_recipe=current (delayed scaling keeps one history per tensor)"
             )
+        if self.fp8_granularity == "block" and self.fp8_grad_format == "e5m2":
+            raise self._err(
+                f"{key} takes E4M3 gradients (cuBLASLt's block-scaled GEMM reads E4M3 operands "
+                "only): set precision.fp8_grad_format=e4m3, or leave it null"
+            )
         if self.level == "O3" and self.fp8_granularity == "row":
             raise self._err(
                 f"{key} is not built for precision.level O3: its FP8 weights are stored per "
@@ -237,8 +243,10 @@ class PrecisionConfig(_Section):
         from fp8train.precision import get_recipe
         from fp8train.scaling import ScalingRecipe
 
-        scaling = ScalingRecipe(**{f: getattr(self, key) for f, key in _SCALING_KEYS.items()})
-        return get_recipe(self.level, param_dtype or self.param_dtype, scaling)
+        values = {f: getattr(self, key) for f, key in _SCALING_KEYS.items()}
+        if values["grad_format"] is None:  # null: E4M3 at block, the hybrid E5M2 elsewhere
+            values["grad_format"] = "e4m3" if self.fp8_granularity == "block" else "e5m2"
+        return get_recipe(self.level, param_dtype or self.param_dtype, ScalingRecipe(**values))
 
 
 # ScalingRecipe field -> the precision key that sets it (the config keeps its public names).
