@@ -10,10 +10,11 @@ in the layout that GEMM reduces over, from the high-precision tensor, with curre
 ``block``: x, g, gᵀ and xᵀ in 1x128 tiles, W in 128x128 blocks whose transpose is Wᵀ's
 quantization (one cast of the weight serves both GEMMs, the reason for square blocks).
 ``row``: one scale per row of each operand, so Wᵀ is a second cast of the weight.
-A tensor and its transpose are one cast unit (``blockwise.quantize_operand`` and
-``quantize_transposed``): both computed from the tensor as it lies, the transposed bytes
-written contiguous, every scale grid in the layout cuBLASLt reads, so no GEMM copies an operand
-or a scale (compiled, the compiler fuses the unit into passes that read the tensor once).
+A tensor and its transpose are one cast unit (``blockwise.quantize_operand`` of the tensor
+and, ``transposed``, of its transpose): both computed from the tensor as it lies, the
+transposed bytes written contiguous, every scale grid in the layout cuBLASLt reads, so no GEMM
+copies an operand or a scale (compiled, the compiler fuses the unit into passes that read the
+tensor once).
 What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activation, as the
 per-tensor path keeps x) and Wᵀ (at ``block`` a view of W's bytes for the emulation, their
 transposed copy where cuBLASLt reads it, whose second operand is column-major).
@@ -51,7 +52,6 @@ from .blockwise import (
     operand_block,
     per_element,
     quantize_operand,
-    quantize_transposed,
 )
 from .formats import E4M3, FORMATS, cast_health
 from .gemm import fp8_gemm
@@ -63,13 +63,13 @@ __all__ = ["BlockFp8LinearFunction", "block_health"]
 def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
     """``x [R, C]`` cast along C (its columns)."""
     block = operand_block(scaling.granularity, weight, x.shape[1])
-    return quantize_operand(x, fmt, block, scaling.margin, scaling.power_of_two)
+    return quantize_operand(x, fmt, block, False, scaling.margin, scaling.power_of_two)
 
 
 def _cast_t(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
     """``xᵀ [C, R]`` cast along R (x's rows), from ``x`` as it lies."""
     block = operand_block(scaling.granularity, weight, x.shape[0])
-    return quantize_transposed(x, fmt, block, scaling.margin, scaling.power_of_two)
+    return quantize_operand(x, fmt, block, True, scaling.margin, scaling.power_of_two)
 
 
 def _transposed(w8: BlockFloat8Tensor, layouts: bool) -> BlockFloat8Tensor:

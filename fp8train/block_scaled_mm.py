@@ -15,7 +15,7 @@ before its transposition into ``mat_b``), as ``aten/src/ATen/native/cuda/ScaledB
 checks them since pytorch#166752:
 
 - 1 x 128 tiles: ``[R, Kb]`` with strides ``(1, R)``, K-block-major ("outer-dim-major").
-  ``blockwise.quantize_operand`` and ``quantize_transposed`` write them so.
+  ``blockwise.quantize_operand`` writes them so.
 - 128 x 128 blocks: ``[L4, Rb]`` with strides ``(1, L4)``: the ``[Rb, Kb]`` grid padded along
   K to ``L4 = roundup(Kb, 4)`` columns, transposed. Without the padding cuBLASLt reads its
   scales with the wrong stride and the results are silently wrong. The grid is padded here,

@@ -20,13 +20,13 @@ K block's partial product in FP32, scaled by both operands' block scales, added 
 accumulator (``tests/test_blockwise.py`` checks it against float64 with the same blocking).
 
 A GEMM operand is cast in the layout its GEMM reduces over. ``quantize_operand`` casts
-``x [R, K]`` along K; ``quantize_transposed`` casts the same ``x`` along R and writes ``xᵀ``
-``[K, R]`` contiguous (what the other GEMM of a linear reads), computing from ``x`` in its own
-layout: no high-precision transposed copy. The two together are the cast unit of a row- or
-block-scaled tensor; compiled, the compiler fuses them into passes that read ``x`` once. Their
-scale grids come out in the layout cuBLASLt reads (``fp8train/block_scaled_mm.py``): 1 x 128
-tiles' scales K-block-major (``[R, Kb]`` with strides ``(1, R)``), one scale per row ``[R, 1]``;
-the values are those of ``quantize_blocks`` bit for bit.
+``x [R, C]`` along C, or (``transposed``) along R, writing ``xᵀ [C, R]`` contiguous (what the
+other GEMM of a linear reads), both computed from ``x`` in its own layout: no high-precision
+transposed copy. The two together are the cast unit of a row- or block-scaled tensor;
+compiled, the compiler fuses them into passes that read ``x`` once. Their scale grids come out
+in the layout cuBLASLt reads (``fp8train/block_scaled_mm.py``): 1 x 128 tiles' scales
+K-block-major (``[R, Kb]`` with strides ``(1, R)``), one scale per row ``[R, 1]``; the values
+are those of ``quantize_blocks`` bit for bit.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ __all__ = [
     "per_element",
     "quantize_blocks",
     "quantize_operand",
-    "quantize_transposed",
     "scaled_value",
 ]
 
@@ -240,54 +239,39 @@ def quantize_operand(
     x: torch.Tensor,
     fmt: FP8Format,
     block: tuple[int, int],
+    transposed: bool = False,
     margin: int = 0,
     power_of_two: bool = False,
 ) -> BlockFloat8Tensor:
-    """``x [R, K]`` cast for a GEMM that reduces over K: ``quantize_blocks``' bytes and scales,
-    with the scales of 1 x ``bk`` tiles written K-block-major (``scale_inv`` ``[R, Kb]`` with
-    strides ``(1, R)``), the layout cuBLASLt reads them in, so no GEMM copies them."""
-    block = fit_block(block, tuple(x.shape))
-    r, k = x.shape
-    if block[0] != 1 or block[1] == k:  # weight blocks, or one scale per row: [Rb, Kb] as is
-        return quantize_blocks(x, fmt, block, margin, power_of_two)
+    """The operand ``[rows, K]`` of a GEMM that reduces over one dimension of 2-D ``x``: ``x``
+    itself (K its columns), or with ``transposed`` ``xᵀ`` (K its rows), written transposed and
+    contiguous. ``block``: the operand's, 1 x ``bk`` tiles along K, ``(1, K)`` one scale per
+    row, or a weight's blocks (``x`` itself only: its blocks serve its transpose as they are,
+    ``BlockFloat8Tensor.t()``). Bit for bit ``quantize_blocks(x or x.t(), fmt, block)``,
+    computed on ``x`` as it lies (no high-precision transposed copy), with the scale grid of
+    tiles K-block-major: ``[rows, Kb]`` with strides ``(1, rows)``, the layout cuBLASLt reads
+    1 x 128 scales in, so no GEMM copies them (one per row: ``[rows, 1]`` contiguous, as
+    ATen's row-wise scales must be)."""
+    rows, k = x.shape[::-1] if transposed else x.shape
+    block = fit_block(block, (rows, k))
+    if block[0] != 1 or (block[1] == k and not transposed):
+        if transposed:
+            raise ValueError(f"quantize_operand: xᵀ in tiles along x's rows, not {block}")
+        return quantize_blocks(x, fmt, block, margin, power_of_two)  # [Rb, Kb] as it is
     bk = block[1]
     kb = math.ceil(k / bk)
-    tiles = _padded(x.detach(), 1, kb * bk).reshape(r, kb, bk)
-    # Reduced over the tile from a [Kb, R, bk] view: the amax, and so the scales, land
-    # K-block-major in memory. Same maxima, same scale formula: quantize_blocks' values.
-    amax = tiles.transpose(0, 1).abs().amax(-1).float()
-    scale = compute_scale(amax, fmt, margin, power_of_two).t()  # [R, Kb], strides (1, R)
-    data = cast_to_fp8(tiles, fmt, scale[:, :, None]).reshape(r, kb * bk)[:, :k].contiguous()
-    return BlockFloat8Tensor(data, scale.reciprocal(), fmt, block)
-
-
-def quantize_transposed(
-    x: torch.Tensor,
-    fmt: FP8Format,
-    block: tuple[int, int],
-    margin: int = 0,
-    power_of_two: bool = False,
-) -> BlockFloat8Tensor:
-    """``xᵀ [C, R]`` cast for a GEMM that reduces over R, x's rows: ``quantize_blocks(x.t(),
-    fmt, block)`` bit for bit (``block``: xᵀ's, ``(1, br)`` tiles or ``(1, R)`` one scale per
-    column of x), computed on ``x`` as it lies, each scale from a ``br x 1`` column tile, and
-    written transposed and contiguous. The scale grid ``[C, Rb]`` comes out with strides
-    ``(1, C)``: K-block-major, as cuBLASLt reads 1 x 128 scales (one per row: ``[C, 1]``)."""
-    r, c = x.shape
-    block = fit_block(block, (c, r))
-    if block[0] != 1:
-        raise ValueError(
-            f"quantize_transposed: tiles along x's rows, not blocks {block} (a weight's "
-            "128x128 blocks serve its transpose as they are: BlockFloat8Tensor.t())"
-        )
-    br = block[1]
-    rb = math.ceil(r / br)
-    tiles = _padded(x.detach(), 0, rb * br).reshape(rb, br, c)
-    amax = tiles.abs().amax(1).float()  # [Rb, C]: one per column tile
-    scale = compute_scale(amax, fmt, margin, power_of_two)
-    data = cast_to_fp8(tiles, fmt, scale[:, None, :]).reshape(rb * br, c)[:r]
-    # Eagerly a 1-byte transposed copy; compiled, the cast writes this layout itself. One
-    # scale per column: [C, 1] with strides (1, 1), as ATen's row-wise scales must be.
+    if transposed:  # each scale from a bk x 1 column tile of x [K, rows]
+        tiles = _padded(x.detach(), 0, kb * bk).reshape(kb, bk, rows)
+        amax = tiles.abs().amax(1)
+    else:  # from a 1 x bk row tile of x [rows, K], reduced from a [Kb, rows, bk] view
+        tiles = _padded(x.detach(), 1, kb * bk).reshape(rows, kb, bk)
+        amax = tiles.transpose(0, 1).abs().amax(-1)
+    # Either way [Kb, rows] in memory: the same maxima and scale formula as quantize_blocks.
+    scale = compute_scale(amax.float(), fmt, margin, power_of_two)
+    if transposed:  # eagerly a 1-byte transposed copy; compiled, the cast writes it so
+        data = cast_to_fp8(tiles, fmt, scale[:, None, :]).reshape(kb * bk, rows)[:k].t()
+    else:
+        data = cast_to_fp8(tiles, fmt, scale.t()[:, :, None]).reshape(rows, kb * bk)[:, :k]
     scale_inv = scale.reciprocal()
-    scale_inv = scale_inv.reshape(c, 1) if rb == 1 else scale_inv.t()
-    return BlockFloat8Tensor(data.t().contiguous(), scale_inv, fmt, block)
+    scale_inv = scale_inv.reshape(rows, 1) if kb == 1 else scale_inv.t()
+    return BlockFloat8Tensor(data.contiguous(), scale_inv, fmt, block)

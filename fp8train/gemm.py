@@ -183,8 +183,8 @@ def _gemm_scaled_mm_rowwise(
     fast_accum: bool = False,
 ) -> torch.Tensor:
     # Row-wise scales as cuBLASLt and ATen take them: scale_a [M, 1], scale_b [1, N]. The
-    # cast unit (blockwise.quantize_operand / quantize_transposed) wrote the operands
-    # contiguous and each scale column contiguous, so these contiguous() calls are no-ops.
+    # cast unit (blockwise.quantize_operand) wrote the operands and each scale column
+    # contiguous, so these contiguous() calls are no-ops.
     mat1, mat2 = a.data.contiguous(), b.data.contiguous().t()
     scale_a, scale_b = a.scale_inv.contiguous(), b.scale_inv.t().contiguous()
     if a.data.device.type == "cpu":

@@ -1,5 +1,5 @@
 """The row- and block-scaled GEMM path on the kernels' terms (fp8train/block_scaled_mm.py,
-blockwise.quantize_operand / quantize_transposed, gemm's dispatch), on the CPU.
+blockwise.quantize_operand, gemm's dispatch), on the CPU.
 
 - The cast unit (a tensor cast along each dimension, the transposed one written contiguous)
   equals ``quantize_blocks`` bit for bit, and its scale grids come out in cuBLASLt's layout.
@@ -28,7 +28,6 @@ from fp8train.blockwise import (
     block_gemm,
     quantize_blocks,
     quantize_operand,
-    quantize_transposed,
 )
 from fp8train.formats import E4M3, E5M2
 from fp8train.gemm_backend import set_gemm_backend
@@ -61,18 +60,19 @@ def test_the_cast_unit_is_quantize_blocks_in_the_kernels_layouts(shape, fmt):
     x = randn(*shape, seed=0)
     r, c = shape
     for block in (TILE, (1, c)):
-        q, ref = quantize_operand(x, fmt, block, 1, True), quantize_blocks(x, fmt, block, 1, True)
+        q = quantize_operand(x, fmt, block, margin=1, power_of_two=True)
+        ref = quantize_blocks(x, fmt, block, 1, True)
         assert same(q.data, ref.data) and same(q.scale_inv, ref.scale_inv) and q.block == ref.block
         kb = q.scale_inv.shape[1]
         assert kb == 1 or q.scale_inv.stride() == (1, r)  # K-block-major: cuBLASLt's 1 x 128
     for block in (TILE, (1, r)):
-        qt, ref = quantize_transposed(x, fmt, block), quantize_blocks(x.t(), fmt, block)
+        qt, ref = quantize_operand(x, fmt, block, True), quantize_blocks(x.t(), fmt, block)
         assert same(qt.data, ref.data) and same(qt.scale_inv, ref.scale_inv)
         assert qt.block == ref.block and qt.data.is_contiguous()  # xᵀ's bytes, contiguous
         rb = qt.scale_inv.shape[1]
         assert qt.scale_inv.stride() == ((1, c) if rb > 1 else (1, 1))
-    with pytest.raises(ValueError, match="transpose as they are"):
-        quantize_transposed(x, fmt, SQUARE)
+    with pytest.raises(ValueError, match="tiles along x's rows"):
+        quantize_operand(x, fmt, SQUARE, transposed=True)
 
 
 @pytest.mark.parametrize("rows, k", [(200, 300), (256, 512), (384, 640), (96, 1280)])
@@ -104,7 +104,10 @@ def _pairs(m: int, k: int, n: int, seed: int, device="cpu"):
     return {
         "forward": (quantize_operand(x, E4M3, TILE), w8),
         "input grad": (quantize_operand(g, E4M3, TILE), wt8),
-        "weight grad": (quantize_transposed(g, E4M3, TILE), quantize_transposed(x, E4M3, TILE)),
+        "weight grad": (
+            quantize_operand(g, E4M3, TILE, True),
+            quantize_operand(x, E4M3, TILE, True),
+        ),
     }
 
 
