@@ -263,9 +263,9 @@ def _probe_operands(device: torch.device):
         values = torch.randn(len(rows), 3 * BLOCK, generator=gen) * k_binades
         return (values * 2.0 ** rows[:, None]).to(device)
 
-    x = quantize_operand(operand(torch.arange(32) % 5 - 2), E4M3, TILE)
+    x = quantize_operand(operand(torch.arange(128) % 5 - 2), E4M3, TILE)
     w = quantize_blocks(operand(4 * (torch.arange(256) // BLOCK)), E4M3, WEIGHT_BLOCK)
-    g = quantize_operand(operand(torch.arange(48) % 3 - 1), E4M3, TILE)
+    g = quantize_operand(operand(torch.arange(128) % 3 - 1), E4M3, TILE)
     return x, w, g, torch.randn(256, generator=gen).to(device)
 
 

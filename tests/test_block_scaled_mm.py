@@ -235,6 +235,34 @@ def test_what_is_bound_where(capsys):
     assert bsm.probe_reason(True, (9, 0)) is None
 
 
+def test_the_probe_catches_a_misread_scale(monkeypatch):
+    # bind's probe on the CPU, with the emulated kernel in cuBLASLt's place: it passes; with
+    # one that reads the 128x128 grid with a leading dimension of Kb, not its padded L4 (what
+    # pytorch#166752 fixed), it finds the disagreement; a refusal is reported in one line.
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bsm, "_scaled_mm", bsm.emulated_scaled_mm)
+    assert bsm._try(cpu, torch.bfloat16, with_bias=False) is None
+    assert bsm._try(cpu, torch.bfloat16, with_bias=True) is None
+    assert bsm._try(cpu, torch.float32, with_bias=False) is None
+
+    def unpadded(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, bias, out):
+        if recipe_b == bsm.RECIPES[SQUARE]:
+            kb = math.ceil(mat_a.shape[1] / 128)
+            misread = scale_b.as_strided((kb, scale_b.shape[1]), (1, kb))
+            scale_b = torch.nn.functional.pad(misread.t(), (0, scale_b.shape[0] - kb)).t()
+        return bsm.emulated_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, bias, out)
+
+    monkeypatch.setattr(bsm, "_scaled_mm", unpadded)
+    assert "disagreed with the emulation" in bsm._try(cpu, torch.bfloat16, with_bias=False)
+
+    def refusing(*args):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    monkeypatch.setattr(bsm, "_scaled_mm", refusing)
+    why = bsm._try(cpu, torch.bfloat16, with_bias=False)
+    assert "refused" in why and "CUBLAS_STATUS_NOT_SUPPORTED" in why and "\n" not in why
+
+
 def test_the_kernel_takes_only_what_it_runs():
     kernel = bsm.BlockKernel((torch.bfloat16,), False, "")
     (x8, w8), (g8, wt8) = list(_pairs(128, 384, 256, seed=9).values())[:2]
@@ -279,3 +307,34 @@ def test_cuda_kernels_against_the_emulation(mkn):
     a, b = quantize_operand(x, E4M3, (1, k)), quantize_operand(w, E4M3, (1, k))
     got = gemm.fp8_gemm(a, b, torch.bfloat16, backend="scaled_mm")
     assert bsm.deepgemm_difference(got, block_gemm(a, b, torch.float32)) < 1e-3, "row-wise"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: cuBLASLt's block-scaled and row-wise kernels")
+@pytest.mark.parametrize("level", ["te", "O3"])
+@pytest.mark.parametrize("granularity", ["row", "block"])
+def test_cuda_linear_on_the_kernels_against_the_emulation(level, granularity):
+    """A BF16 linear's output and gradients on the kernels against the same linear on the
+    emulation, by DeepGEMM's criterion (O3 stores its weight in blocks: block only)."""
+    if level == "O3" and granularity == "row":
+        pytest.skip("O3 refuses row-wise scales (a row-scaled FP8 weight)")
+    if granularity == "block" and bsm.bind("cuda") is None:
+        pytest.skip(f"no block-scaled kernel bound here: {bsm._probe(torch.device('cuda'))[1]}")
+    grad = "e4m3" if granularity == "block" else "e5m2"
+    scaling = ScalingRecipe(mode="current", granularity=granularity, grad_format=grad)
+    results = []
+    for backend in ("emulated", "scaled_mm"):
+        torch.manual_seed(0)
+        set_gemm_backend(backend)
+        try:
+            layer = Linear(1024, 768, recipe=get_recipe(level, "bf16", scaling), device="cuda")
+        finally:
+            set_gemm_backend(None)
+        layer.lower_weight_precision()
+        x = randn(512, 1024, seed=17, device="cuda").bfloat16().requires_grad_()
+        y = layer(x)
+        y.backward(randn(512, 768, seed=18, device="cuda").bfloat16())
+        slot = grad_slot(layer.weight) if layer.lowered else None
+        dw = slot.dequantize() if slot is not None else layer.weight.grad
+        results.append((y, x.grad, dw))
+    for name, want, got in zip(("y", "dx", "dW"), *results):
+        assert bsm.deepgemm_difference(got.float(), want.float()) < 1e-3, (level, name)
