@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from . import block_scaled_mm
 from .blockwise import (
     WEIGHT_BLOCK,
     BlockFloat8Tensor,
@@ -74,8 +75,8 @@ def _cast_t(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> Block
 
 def _transposed(w8: BlockFloat8Tensor, layouts: bool) -> BlockFloat8Tensor:
     """A weight's 128x128 blocks read as its transpose's: a view, or with ``layouts`` (the
-    cuBLASLt backend, whose second operand is a contiguous ``[N, K]`` read column-major) the
-    bytes transposed into a contiguous copy, no cast."""
+    block-scaled kernel bound, whose second operand is a contiguous ``[N, K]`` read
+    column-major) the bytes transposed into a contiguous copy, no cast."""
     wt8 = w8.t()
     if not layouts:
         return wt8
@@ -121,9 +122,10 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         input_comm,
         backend="emulated",
     ):
-        # cuBLASLt's operand layouts (contiguous transposes) where its backend is bound; the
-        # emulation reads views. Decided by the backend bound at build time, never by values.
-        layouts = backend == "scaled_mm"
+        # Wᵀ's bytes contiguous where cuBLASLt's block-scaled kernel reads them; the emulation
+        # reads a view. Decided by what was bound at build time, never by values.
+        kernel = block_scaled_mm.bound(x.device) if backend == "scaled_mm" else None
+        layouts = kernel is not None
         if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
             w = None
             block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
