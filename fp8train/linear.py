@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .block_linear import BlockFp8LinearFunction
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
-from .gemm import cpu_takes_rowwise, fp8_gemm
+from .gemm import fp8_gemm, prepare_scaled_gemm
 from .gemm_backend import select_gemm_backend
 from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
@@ -417,8 +417,10 @@ class Linear(nn.Module):
             return
         self.gemm_backend = select_gemm_backend(kind)
         self._backend_device = kind
-        if kind == "cpu" and self.gemm_backend == "scaled_mm" and self.scaling.granularity == "row":
-            cpu_takes_rowwise()  # known before any compiled GEMM asks
+        if self.gemm_backend == "scaled_mm" and self.scaling.granularity != "tensor":
+            # Known before any GEMM asks, compiled or not: the CPU's row-wise support, CUDA's
+            # block-scaled kernel (probed once; a compiled GEMM never probes).
+            prepare_scaled_gemm(self.weight.device, self.scaling.granularity)
 
     def weight_fp8(self, health: HealthRecord | None = None) -> Float8Tensor:
         """The weight as the forward GEMM reads it: FP8 E4M3 with its scale (per tensor).
