@@ -271,6 +271,8 @@ _RULES = [
     " is not built for `precision.level: O3`; block with"
     " `parallel.tensor` > 1 needs the MLP, attention and key/value widths divided by it to be"
     " multiples of 128.",
+    "- `precision.fp8_grad_format: e5m2` is refused at `precision.fp8_granularity: block`"
+    " (cuBLASLt's block-scaled GEMM reads E4M3 operands; null picks e4m3 there).",
     "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model`.",
     "",
     "Values the code resolves from nulls: `cfg.model.query_groups()`,"
