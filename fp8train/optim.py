@@ -43,7 +43,8 @@ either way (zero moments, step 0), as torch's fused AdamW creates its own.
 Two backends, chosen once at construction (``fused``): the ``_foreach_*`` step above, the
 reference (the CPU's default), and a compiled step per tensor (fused_adam.py, the default for
 CUDA parameters) that reads and writes each tensor's stored bytes in a few kernels, with the
-same arithmetic (on the CPU the same bits). Block-scaled FP8 weights always take the reference.
+same arithmetic (on a CPU with vector units the same bits but for the square root's last
+place: fused_adam.py). Block-scaled FP8 weights always take the reference.
 """
 
 from __future__ import annotations

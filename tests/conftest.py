@@ -32,6 +32,22 @@ _STARTS_RANKS = re.compile(
 )
 
 
+@pytest.fixture(scope="module")
+def inductor_cache_per_isa():
+    """Inductor's on-disk cache in a directory of its own per vector ISA, for a module that
+    compiles with inductor: torch 2.13's FX graph cache key leaves the ISA out, so code
+    cached under one ``ATEN_CPU_CAPABILITY`` (or by a CPU with other vector units sharing the
+    directory) would be reused, wrong, under another (tests/test_fused_adam.py says more)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    isa = "_".join(str(pick_vec_isa()).split())  # e.g. avx2, INVALID_VEC_ISA (scalar code)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"isa-{isa}"))
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ranks_and_their_references_on_cpu(request):
     """A test module that starts ranks runs wholly on the CPU, CUDA machine or not: its ranks

@@ -27,7 +27,7 @@ from tests.test_fp8_formats import all_finite_16bit, ref_bits
 
 
 @pytest.fixture(autouse=True)
-def compiled_or_fail():
+def compiled_or_fail(inductor_cache_per_isa):
     # Past its recompile limit dynamo runs a function eagerly without a word, and these
     # tests would then compare eager with eager. Scalar C++ (simdlen 1): inductor's AVX2
     # vectorized float -> FP8 conversion flushed the smallest subnormals to zero (38% of the

@@ -140,7 +140,7 @@ def test_compiled_layer_equals_eager_bitwise(spec, recompute):
 
 
 @pytest.fixture(scope="module")
-def inductor_pair():
+def inductor_pair(inductor_cache_per_isa):
     """One te layer compiled by inductor, and its eager twin: the suite's only inductor
     compile (about 30 s on 2 cores), shared by the tests below."""
     eager, twin = _layer("te"), _layer("te")

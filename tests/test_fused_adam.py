@@ -21,8 +21,8 @@ What is checked, and with which bar:
 - Which parameters take which path; where both sides take the reference (a block-scaled
   weight, a step under a dispatch mode, a compile failure), bit for bit: the same ops.
 
-Inductor's on-disk cache, one directory per vector ISA (``_inductor_cache_per_isa``). Inductor
-generates C++ for the vector ISA that ``cpu_vec_isa.pick_vec_isa()`` reads from
+Inductor's on-disk cache, one directory per vector ISA (conftest's ``inductor_cache_per_isa``).
+Inductor generates C++ for the vector ISA that ``cpu_vec_isa.pick_vec_isa()`` reads from
 ``ATEN_CPU_CAPABILITY`` (loops stepping 16 floats for AVX-512, 8 for AVX2, scalar code for
 default), but in torch 2.13 the key of its FX graph cache (``codecache.FxGraphHashDetails``:
 the graph, the inductor config, torch's version, a GPU's name, the thread count) leaves that
@@ -31,8 +31,9 @@ earlier run, compiled with AVX2's flags (8-float vectors in 16-float loops): zer
 the tensors (11 of the 15 tests failed; with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` all
 passed). Not an artefact of forcing alone: a cache directory shared by CPUs with different
 vector units (on a network home, or baked into an image) would hand one the other's code the
-same way; forcing the capability only makes it happen on one machine. So this module keeps
-its compiled code under ``<inductor cache dir>/isa-<ISA>``, set before anything compiles.
+same way; forcing the capability only makes it happen on one machine. So the modules that
+compile with inductor keep their code under ``<inductor cache dir>/isa-<ISA>``, set before
+anything compiles.
 
 Compiling costs seconds on two cores: the compiled functions are cached per kind of parameter
 in the process (``fused_adam.compiled_steps``), and the ``compiled`` fixture compiles the
@@ -42,7 +43,6 @@ mixed model's kinds once for the module; tensors stay tiny.
 from __future__ import annotations
 
 import functools
-import os
 import types
 from collections import Counter
 
@@ -62,21 +62,6 @@ FP8 = E4M3.dtype
 O1 = dict(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
 O2 = lowbit.O2
 STEPS = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _inductor_cache_per_isa():
-    """Inductor's on-disk cache in a directory of its own per vector ISA (module docstring):
-    its FX graph cache key leaves the ISA out, so code cached under one ATEN_CPU_CAPABILITY
-    would be reused, wrong, under another."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    isa = "_".join(str(pick_vec_isa()).split())  # e.g. avx2, INVALID_VEC_ISA (scalar code)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"isa-{isa}"))
-        yield
 
 
 def _row_slot_param(w: torch.Tensor) -> nn.Parameter:
@@ -166,7 +151,7 @@ def _count_fused_calls(monkeypatch) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def compiled(_inductor_cache_per_isa):
+def compiled(inductor_cache_per_isa):
     """Compiles the mixed model's kinds once for the module; past dynamo's recompile limit a
     function would run eagerly without a word, so that is made an error here."""
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):

@@ -42,7 +42,9 @@ def test_plan_matches_the_real_step(level):
         ), category
     assert planned.flops == real.flops  # the same GEMMs on the same shapes
     assert planned.traffic == pytest.approx(real.traffic, rel=0.02)
-    assert planned.host_reads > 0 and real.host_reads == 0
+    # The meta step answers host reads: torch's foreach AdamW reads whether to skip (bf16, te);
+    # LowBitAdamW decides on the device (O1-O3). The real step on the accelerator's path none.
+    assert (planned.host_reads > 0) == (level in ("bf16", "te")) and real.host_reads == 0
 
 
 def test_flops_match_the_family_formula():

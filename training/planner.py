@@ -11,9 +11,11 @@ computes and sends, the same way it does in a real run.
 
 Three things a meta step needs that a real one does not (``MetaStep``):
 
-- values read on the host (the loss scale, the overflow check, the gradient norm, torch's
-  AdamW step count) do not exist: each read is answered with 1 and counted, so the step
-  takes its normal path (a finite norm, an update);
+- values read on the host do not exist: each read is answered with 1 and counted, so the
+  step takes its normal path (an update). The step decides a skip on the device, so only
+  the paths that still read are counted: torch's foreach AdamW (the CPU's and a plan's, at
+  fp32/bf16/fp16/te) reads whether to skip, and its step counts; LowBitAdamW (O1-O3) reads
+  nothing;
 - speed: many meta kernels are Python (``torch._refs``), 0.1-2 ms an op. Every layer repeats
   the same ops on the same shapes, so the output layout of each functional op is cached by
   its arguments' shapes, strides, dtypes and scalars and later calls allocate it directly;
