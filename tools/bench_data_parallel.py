@@ -118,7 +118,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], args, out: s
         cpu.append(time.process_time() - start_cpu)
         losses.append(stats.loss)
         skipped += int(stats.skipped)
-        if not stats.skipped:  # a skipped step has no optimizer step, no weight gather
+        if not stats.skipped:  # a skipped step updates nothing: its traffic is not the table's
             last = stats
     record = {
         "times": times[args.warmup :],

@@ -82,7 +82,8 @@ class TrainingConfig(_Section):
     max_consecutive_skips: int = _f(
         100,
         "Stop with an error after this many consecutive skipped steps (non-finite gradients); "
-        "0 = never. 100 leaves room for a dynamic loss scale to fall from 65536 to 1.",
+        "0 = never. 100 leaves room for a dynamic loss scale to fall from 65536 to 1. Counted "
+        "on the device, checked when the loop logs or saves.",
         ge=0,
     )
 
