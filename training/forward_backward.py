@@ -39,8 +39,12 @@ def _scaling_table(state) -> ScalingTable:
 def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -> torch.Tensor:
     """Add the micro-batch's ``(sum, count)`` per metric into ``totals``; return its objective."""
     objective, sums = state.family.loss(output, batch)
+    # A count given as a Python number (a label count) becomes a device value by a fill, not
+    # an upload: copying host memory up waits for the stream on CUDA.
     pairs = [
-        torch.as_tensor(part, device=state.device).detach().float()
+        part.detach().float()
+        if isinstance(part, torch.Tensor)
+        else torch.full((), float(part), device=state.device)
         for name in state.metrics
         for part in sums[name]
     ]
