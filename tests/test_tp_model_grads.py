@@ -5,11 +5,15 @@ ranks, for a GPT-2 style and a Llama style (SwiGLU, GQA, RoPE, RMSNorm, untied h
 fp32 must match to FP32 rounding (1e-5). The other levels cannot match bitwise and get bars
 from their formats: bf16 rounds every GEMM output and the sharded GEMMs sum partial products
 in other groupings, a few BF16 ulps (2**-8 relative each) on logits and gradients: 5e-2
-relative (norm) for gradients. FP8 (te, O2): every weight shard is cast with its own
+relative (norm) for gradients. FP8 (te, O1, O3): every weight shard is cast with its own
 per-tensor scale fitted to the shard, not to the whole matrix, and each cast rounds to half an
 E4M3 ulp (2**-4 relative) — the project's gradient SQNR floors (18 dB, 12.6% relative) bound the
 difference between two such roundings: 0.2 relative (norm) per gradient tensor (measured up to
 0.14). O1 and O3 store the weights themselves in FP16 / FP8 with a per-shard scale as well.
+O2 is not run here: its model is O1's (FP8 GEMMs, FP16 weights, FP8 weight gradients); the
+two differ only in the Adam moments' storage, which a forward and backward never touch (their
+logits, losses and gradients were bitwise equal at TP=2). Its TP runs with an optimizer are in
+tests/test_tp_training.py.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _config(case):
     return GPTConfig(**base, **CASES[case])
 
 
-LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O1": 0.2, "O2": 0.2, "O3": 0.2}
+LEVELS = {"fp32": 1e-5, "bf16": 5e-2, "te": 0.2, "O1": 0.2, "O3": 0.2}
 
 
 def _build(cfg, level, **tp):
