@@ -15,7 +15,6 @@ bar is test_tp_training.py's FP8 one, 2e-3, set by the same mechanism.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from conftest import REPO, tiny_overrides
@@ -46,6 +45,11 @@ LAYOUTS = {  # name: (level, ranks, overrides), each against the one-process run
 }
 
 
+# Every run: 4 steps, a checkpoint at 2 and at 4; the resumed runs continue from 2.
+SAVE = 2
+STEPS = {"training.train_iters": 4, "checkpoint.save_interval": SAVE}
+
+
 def _losses(run_dir) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x)["lm loss"] for x in lines]
@@ -53,50 +57,41 @@ def _losses(run_dir) -> list[float]:
 
 @pytest.fixture(scope="module")
 def block_runs(tiny_data, tmp_path_factory):
-    """The single-process run, every layout of ``LAYOUTS``, and a run resumed at iteration 3
-    from the single-process run's checkpoint (``checkpoint.load``)."""
+    """The single-process run of each level, every layout of ``LAYOUTS``, the runs resumed at
+    iteration ``SAVE`` from a checkpoint of another run (``checkpoint.load``: the same layout,
+    TP=1 -> TP=2, TP=2 -> TP=1), and a recomputing run: one fork per world size and phase,
+    each running its jobs one after the other."""
     root = tmp_path_factory.mktemp("block_runs")
-    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref", "te", **BLOCK))])
-    saved = root / "ref" / "checkpoints" / "iter_0000003"
-    kept = root / "iter_0000003"  # the run keeps 2 checkpoints: copy it before anything else
-    shutil.copytree(saved, kept)
-    resumed = tiny_overrides(
-        tiny_data, root / "resumed", "te", **BLOCK, **{"checkpoint.load": kept}
-    )
-    pretrain_ranks(1, [(TINY, resumed)])
-    recompute = {"model.recompute": "full"}
-    pretrain_ranks(
-        1, [(TINY, tiny_overrides(tiny_data, root / "recompute", "te", **BLOCK, **recompute))]
-    )
-    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O1", "O1", **BLOCK))])
-    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O2", "O2", **BLOCK))])
-    pretrain_ranks(1, [(TINY, tiny_overrides(tiny_data, root / "ref_O3", "O3", **BLOCK))])
-    kept_o3 = root / "iter_0000003_O3"
-    shutil.copytree(root / "ref_O3" / "checkpoints" / "iter_0000003", kept_o3)
-    o3_load = {"checkpoint.load": kept_o3}
-    pretrain_ranks(
-        1, [(TINY, tiny_overrides(tiny_data, root / "resumed_O3", "O3", **BLOCK, **o3_load))]
-    )
+
+    def job(name, level, **extra):
+        return (TINY, tiny_overrides(tiny_data, root / name, level, **BLOCK, **STEPS, **extra))
+
+    def load(run):  # a run's own checkpoint at SAVE (it keeps both of its checkpoints)
+        return {"checkpoint.load": root / run / "checkpoints" / f"iter_{SAVE:07d}"}
+
+    pretrain_ranks(1, [
+        job("ref", "te"),
+        job("resumed", "te", **load("ref")),
+        job("recompute", "te", **{"model.recompute": "full"}),
+        job("ref_O1", "O1"),
+        job("ref_O2", "O2"),
+        job("ref_O3", "O3"),
+        job("resumed_O3", "O3", **load("ref_O3")),
+    ], timeout=400)  # fmt: skip
     # The one-process O3 checkpoint resumed on TP=2: each shard takes its rows or columns of
     # the stored FP8 bytes and of the block-scale grid (resharding's exact path).
-    to_tp2 = {**o3_load, "parallel.tensor": 2}
-    pretrain_ranks(
-        2, [(TINY, tiny_overrides(tiny_data, root / "O3_tp1_to_tp2", "O3", **BLOCK, **to_tp2))]
-    )
+    by_world = {2: [job("O3_tp1_to_tp2", "O3", **load("ref_O3"), **{"parallel.tensor": 2})]}
     for name, (level, world, extra) in LAYOUTS.items():
-        overrides = tiny_overrides(tiny_data, root / name, level, **BLOCK, **extra)
-        pretrain_ranks(world, [(TINY, overrides)], timeout=400)
-    # The TP=2 run's checkpoint at iteration 3, resharded onto one process.
-    tp2_saved = root / "tp2" / "checkpoints" / "iter_0000003"
-    resharded = {"checkpoint.load": tp2_saved}
-    pretrain_ranks(
-        1, [(TINY, tiny_overrides(tiny_data, root / "tp2_to_tp1", "te", **BLOCK, **resharded))]
-    )
-    # O3's TP=2 checkpoint joined onto one process: its FP8 blocks re-quantised block by block.
-    o3_tp2 = {"checkpoint.load": root / "O3_tp2" / "checkpoints" / "iter_0000003"}
-    pretrain_ranks(
-        1, [(TINY, tiny_overrides(tiny_data, root / "O3_tp2_to_tp1", "O3", **BLOCK, **o3_tp2))]
-    )
+        by_world.setdefault(world, []).append(job(name, level, **extra))
+    for world, jobs in sorted(by_world.items()):
+        pretrain_ranks(world, jobs, timeout=600)
+    pretrain_ranks(1, [
+        # The TP=2 run's checkpoint resharded onto one process (te: FP32 weights).
+        job("tp2_to_tp1", "te", **load("tp2")),
+        # O3's TP=2 checkpoint joined onto one process: its FP8 blocks re-quantised block by
+        # block.
+        job("O3_tp2_to_tp1", "O3", **load("O3_tp2")),
+    ])  # fmt: skip
     return root
 
 
@@ -104,7 +99,7 @@ def block_runs(tiny_data, tmp_path_factory):
 def test_layout_matches_one_process(block_runs, layout):
     level = LAYOUTS[layout][0]
     reference = _losses(block_runs / ("ref" if level == "te" else f"ref_{level}"))
-    assert len(reference) == 6
+    assert len(reference) == 4
     assert _losses(block_runs / layout) == pytest.approx(reference, rel=2e-3)
 
 
@@ -118,7 +113,7 @@ def test_tp2_checkpoint_resumes_on_one_process(block_runs):
     # recomputed each step); the resumed run continues the TP=2 run within the layout bar.
     tp2 = _losses(block_runs / "tp2")
     resumed = _losses(block_runs / "tp2_to_tp1")
-    assert len(resumed) == 3 and resumed == pytest.approx(tp2[3:], rel=2e-3)
+    assert len(resumed) == 2 and resumed == pytest.approx(tp2[SAVE:], rel=2e-3)
 
 
 def test_resume_is_bitwise(block_runs):
@@ -126,8 +121,8 @@ def test_resume_is_bitwise(block_runs):
     # scales are recomputed from the same tensors, so the losses are equal to the last bit.
     reference = _losses(block_runs / "ref")
     resumed = _losses(block_runs / "resumed")
-    assert resumed == reference[3:]
-    meta = json.loads((block_runs / "ref/checkpoints/iter_0000006/metadata.json").read_text())
+    assert len(resumed) == 2 and resumed == reference[SAVE:]
+    meta = json.loads((block_runs / "ref/checkpoints/iter_0000004/metadata.json").read_text())
     assert meta["config"]["precision"]["fp8_granularity"] == "block"
 
 
@@ -135,8 +130,8 @@ def test_o3_block_resume_is_bitwise(block_runs):
     # The FP8 weights, their block-scale grids and the FP16 masters all come back from the
     # checkpoint as stored: the same operations follow, so the same bits.
     reference = _losses(block_runs / "ref_O3")
-    assert _losses(block_runs / "resumed_O3") == reference[3:]
-    layouts = _weight_layouts(block_runs / "ref_O3/checkpoints/iter_0000003")
+    assert _losses(block_runs / "resumed_O3") == reference[SAVE:]
+    layouts = _weight_layouts(block_runs / "ref_O3/checkpoints/iter_0000002")
     qkv = layouts["layers.0.attention.qkv.weight"]
     assert qkv["scale_block"] == [128, 128] and qkv["dtype"] == "float8_e4m3fn"
 
@@ -148,8 +143,8 @@ def test_o3_block_checkpoint_reshards(block_runs, run, source):
     # TP=1 -> TP=2 cuts the bytes and the scale grid along the blocks; TP=2 -> TP=1 joins and
     # re-quantises per block. Either run continues its source within the layout bar.
     resumed = _losses(block_runs / run)
-    assert len(resumed) == 3
-    assert resumed == pytest.approx(_losses(block_runs / source)[3:], rel=2e-3)
+    assert len(resumed) == 2
+    assert resumed == pytest.approx(_losses(block_runs / source)[SAVE:], rel=2e-3)
 
 
 def test_o3_block_weights_reshard_exactly(block_runs, tmp_path):
@@ -160,7 +155,7 @@ def test_o3_block_weights_reshard_exactly(block_runs, tmp_path):
 
     from checkpoint.format import reassemble
 
-    source = block_runs / "iter_0000003_O3"
+    source = block_runs / "ref_O3" / "checkpoints" / "iter_0000002"
     _convert("--input", str(source), "--output", str(tmp_path / "tp2"), "--format", "native",
              "--tensor", "2")  # fmt: skip
     (converted,) = (tmp_path / "tp2").glob("iter_*")
