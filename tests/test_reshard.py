@@ -1,8 +1,8 @@
 """Resharding: a checkpoint written by one layout resumes on another and continues the run.
 
 The source run trains the tiny GPT at TP=2 x PP=2 x DP=2 with the distributed optimizer (8
-gloo ranks) for 6 steps and saves at 3. From that step-3 checkpoint, runs at TP=1 x PP=1 x
-DP=4 and at TP=4 (4 ranks each) resume to 6; their losses at steps 4-6 must be the source
+gloo ranks) for 4 steps and saves at 2. From that step-2 checkpoint, runs at TP=1 x PP=1 x
+DP=4 and at TP=4 (4 ranks each) resume to 4; their losses at steps 3-4 must be the source
 run's (dropout off: the RNG streams belong to the ranks that wrote them). Bars:
 
 fp32: 1e-5 relative. The layouts sum the same values in other groupings (TP's sharded GEMMs,
@@ -37,6 +37,7 @@ COMMON = {
     "training.global_batch_size": 8,
     "optimizer.distributed": "true",
 }
+STEPS = {"training.train_iters": 4, "checkpoint.save_interval": 2}  # all but the finetune
 SOURCE = {"parallel.tensor": 2, "parallel.pipeline": 2}
 TARGETS = {"tp1_dp4": {}, "tp4": {"parallel.tensor": 4}}
 BARS = {"fp32": 1e-5, "O2": 2e-3}
@@ -64,18 +65,19 @@ def runs(tiny_data, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("reshard")
     source = [
-        tiny_overrides(tiny_data, root / f"source_{lv}", lv, **COMMON, **SOURCE) for lv in LEVELS
+        tiny_overrides(tiny_data, root / f"source_{lv}", lv, **COMMON, **STEPS, **SOURCE)
+        for lv in LEVELS
     ]
     run_ranks(_worker, 8, (source,), timeout=600, start_method="fork")
-    # The same step-3 checkpoint converted offline to the TP=4 layout (training/conversion.py).
+    # The same step-2 checkpoint converted offline to the TP=4 layout (training/conversion.py).
     convert_native(
-        root / "source_O2" / "checkpoints" / "iter_0000003", root / "converted_tp4",
+        root / "source_O2" / "checkpoints" / "iter_0000002", root / "converted_tp4",
         Layout(tensor=4, distributed=True), progress=lambda _line: None,
     )  # fmt: skip
     resumed = [
         tiny_overrides(
-            tiny_data, root / "tp4_converted_O2", "O2", **COMMON, **TARGETS["tp4"],
-            **{"checkpoint.load": str(root / "converted_tp4")},
+            tiny_data, root / "tp4_converted_O2", "O2", **COMMON, **STEPS,
+            **TARGETS["tp4"], **{"checkpoint.load": str(root / "converted_tp4")},
         ),
         # Weights only, fp32 -> O2, TP=2 x PP=2 x DP=2 -> TP=2 x DP=2, learning rate 0: one step
         # saves the loaded weights back in O2's storage.
@@ -89,13 +91,14 @@ def runs(tiny_data, tmp_path_factory):
     ]  # fmt: skip
     for name, extra in TARGETS.items():
         for lv in LEVELS:
-            load = root / f"source_{lv}" / "checkpoints" / "iter_0000003"
+            load = root / f"source_{lv}" / "checkpoints" / "iter_0000002"
             resumed.append(
                 tiny_overrides(
                     tiny_data,
                     root / f"{name}_{lv}",
                     lv,
                     **COMMON,
+                    **STEPS,
                     **extra,
                     **{"checkpoint.load": str(load)},
                 )  # fmt: skip
@@ -109,7 +112,7 @@ def runs(tiny_data, tmp_path_factory):
 def test_resharded_resume_continues_the_run(runs, target, level):
     source = _losses(runs / f"source_{level}")
     resumed = _losses(runs / f"{target}_{level}")
-    assert sorted(resumed) == [4, 5, 6]
+    assert sorted(resumed) == [3, 4]
     for step, loss in resumed.items():
         assert abs(loss - source[step]) / source[step] <= BARS[level], (step, loss, source[step])
 
@@ -119,8 +122,8 @@ def test_offline_conversion_equals_resharding_on_load(runs):
     run that resharded the TP=2 x PP=2 x DP=2 checkpoint on load: the same code cut both, and
     splitting 2 -> 4 shards keeps every FP16 weight's bytes and scale."""
     assert _losses(runs / "tp4_converted_O2") == _losses(runs / "tp4_O2")
-    source = reassemble(runs / "source_O2" / "checkpoints" / "iter_0000003")
-    converted = reassemble(runs / "converted_tp4" / "iter_0000003")
+    source = reassemble(runs / "source_O2" / "checkpoints" / "iter_0000002")
+    converted = reassemble(runs / "converted_tp4" / "iter_0000002")
     for name, value in source.items():
         if value.shape == converted[name].shape:  # per-shard state is stacked per shard
             assert torch.equal(converted[name], value), name
@@ -131,7 +134,7 @@ def test_finetune_loads_weights_across_levels_and_layouts(runs):
     DP=2: every parameter comes back, the linear weights rounded once to their scaled FP16
     storage (relative error <= 2**-11), everything else exact; the run starts at iteration 1."""
     assert sorted(_losses(runs / "finetune_O2")) == [1]
-    want = reassemble(runs / "source_fp32" / "checkpoints" / "iter_0000006")
+    want = reassemble(runs / "source_fp32" / "checkpoints" / "iter_0000004")
     got = reassemble(runs / "finetune_O2" / "checkpoints" / "iter_0000001")
     for name, value in want.items():
         if name.endswith(".weight") and name.startswith("layers.") and value.ndim == 2:
@@ -142,14 +145,14 @@ def test_finetune_loads_weights_across_levels_and_layouts(runs):
 
 
 def test_resharded_checkpoint_keeps_every_tensor(runs):
-    """The resumed runs' own step-6 checkpoints hold the same tensors as the source's, each
+    """The resumed runs' own step-4 checkpoints hold the same tensors as the source's, each
     with its layout's shards (TP=4: four model files, one optimizer file per slice)."""
-    files = {p.name for p in (runs / "tp4_O2" / "checkpoints" / "iter_0000006").iterdir()}
+    files = {p.name for p in (runs / "tp4_O2" / "checkpoints" / "iter_0000004").iterdir()}
     assert {f"model_tp{t}.safetensors" for t in range(4)} <= files
     for kind in ("model", "optimizer"):
-        names = set(reassemble(runs / "source_O2" / "checkpoints" / "iter_0000006", kind))
+        names = set(reassemble(runs / "source_O2" / "checkpoints" / "iter_0000004", kind))
         for target in TARGETS:
-            got = reassemble(runs / f"{target}_O2" / "checkpoints" / "iter_0000006", kind)
+            got = reassemble(runs / f"{target}_O2" / "checkpoints" / "iter_0000004", kind)
             # Per-shard scaling state is stacked per shard, so only names are compared here.
             assert set(got) == names, (kind, target, sorted(set(got) ^ names)[:5])
 
