@@ -53,7 +53,6 @@ from multiproc import (
     RunsByWorld,
     full_tensors,
     grad_value,
-    launch,
     pretrain_ranks,
     rank_env,
     torchrun,
@@ -245,17 +244,29 @@ def test_pp2_entry_point_resume_checkpoint_and_stage_memory(tiny_data, tmp_path)
     assert [r["lm loss"] for r in _records(resumed)] == [r["lm loss"] for r in records]
 
 
-def _launch(world, overrides, timeout=120):
-    """``pretrain_gpt.py`` as ``world`` plain processes with torchrun's environment, so each
-    rank's own exit code and output are seen (torchrun would add its traceback)."""
-    return launch(world, ["--config", "configs/gpt_tiny.yaml", *overrides], timeout=timeout)
+def _ranks_of_the_entry_point(world, overrides, monkeypatch, capfd):
+    """``pretrain_gpt.py``'s ``main`` once per rank of ``world`` with torchrun's environment,
+    in this process: ``(exit code, stdout, stderr)`` per rank. Its pre-flight runs before any
+    process group (every rank checks alone), so each rank's output is its own; the script as
+    a process, its exit status and stderr, is tests/test_entry_point.py's."""
+    from training.entry_point import main
+
+    ranks = []
+    for rank in range(world):
+        env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1"}
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        capfd.readouterr()
+        code = main("gpt", ["--config", str(REPO / "configs/gpt_tiny.yaml"), *overrides])
+        ranks.append((code, *capfd.readouterr()))
+    return ranks
 
 
 @pytest.mark.parametrize(
     ("world", "overrides", "needle"),
     [
         # 2 stages x 2 chunks, but a step of 1 micro-batch: interleaving needs a multiple of 2.
-        # Found at launch (it depends on the data-parallel size): 2 real ranks.
+        # Found at launch (it depends on the data-parallel size): 2 ranks.
         (
             2,
             {"parallel.virtual_pipeline": 2, "model.num_layers": 4,
@@ -266,10 +277,12 @@ def _launch(world, overrides, timeout=120):
         (1, {"model.num_layers": 3}, "model.num_layers"),
     ],
 )  # fmt: skip
-def test_impossible_pipeline_layout_exits_2_with_one_line(tmp_path, world, overrides, needle):
+def test_impossible_pipeline_layout_exits_2_with_one_line(
+    tmp_path, monkeypatch, capfd, world, overrides, needle
+):
     run_dir = tmp_path / "run"
     args = [f"{k}={v}" for k, v in {**PP2, **overrides, "logging.dir": run_dir}.items()]
-    ranks = _launch(world, args)
+    ranks = _ranks_of_the_entry_point(world, args, monkeypatch, capfd)
     for code, _, err in ranks:
         assert code == 2, err
     lines = [x for x in ranks[0][2].splitlines() if x.strip()]
