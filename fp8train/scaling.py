@@ -267,6 +267,10 @@ class ScalingState(nn.Module):
     def refresh(self) -> None:
         """Forget any recorded amax and derive the next scales from the persistent state
         (after loading it, or resetting it)."""
+        if self.scale.is_meta:
+            # A model built on the meta device (the planner, a deferred init) has no values
+            # to fold; folding it anyway costs a meta dispatch per state and nothing else.
+            return
         with torch.no_grad():
             self.pending_amax.fill_(_NOTHING_PENDING)
         fold([self])
