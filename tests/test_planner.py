@@ -99,12 +99,75 @@ def test_cli_prints_the_per_stage_table_and_writes_json(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "memory at the step's peak" in done.stdout and "H100 lower bound" in done.stdout
+    # Readable in a terminal: the collectives (rows) by rank (columns), every line narrow.
+    assert max(len(line) for line in done.stdout.splitlines()) <= 100
+    assert any(line.startswith("reduce_scatter_fp8 ") for line in done.stdout.splitlines())
+    # Progress on stderr as each rank is built and stepped, and when each is done.
+    progress = done.stderr.splitlines()
+    assert all(line.startswith("plan: ") for line in progress), done.stderr
+    assert any("rank 4: building" in line for line in progress)
+    assert any("(2 of 2 done" in line for line in progress)
     plan = json.loads(out.read_text())
     assert [r["stage"] for r in plan["ranks"]] == [0, 1]
     for r in plan["ranks"]:
         memory = r["memory"]
         assert sum(memory["at_peak"].values()) == memory["peak"]  # the same storages
         assert r["comm"]["reduce_scatter_fp8"] > 0  # the FP8 gradients over data parallelism
+
+
+def test_cli_help_is_whole_and_every_option_does_something(capsys):
+    """--help prints the whole description (not its first line cut mid-sentence); the
+    default already plans each stage's most loaded rank, so there is no --all-stages."""
+    from tools import plan
+
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--help"])
+    assert stop.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert " ".join(plan.__doc__.split()) in shown
+    assert "--all-stages" not in shown and "--quiet" in shown
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--config", TINY, "--all-stages"])
+    assert stop.value.code == 2
+
+
+def test_peak_inside_an_autograd_function_forward_is_forward():
+    """An FP8 GEMM's own autograd.Function runs its forward with grad off: its allocations
+    are the forward's all the same (phases by where the step is: forward, backward, after
+    backward, optimizer)."""
+    import torch
+
+    from training.step_account import PHASES, StepAccount
+
+    class Wide(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            wide = x.new_zeros(1 << 20)  # 4 MB, freed before the function returns
+            return x * 2 + wide[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    class Layer(torch.nn.Linear):
+        def forward(self, x):
+            return Wide.apply(super().forward(x))
+
+    layer = Layer(8, 8)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with StepAccount() as account:
+        x = torch.ones(4, 8)
+        account.start_step()
+        with account.saving():
+            layer(x).sum().backward()
+            with torch.no_grad():
+                layer.weight.grad.copy_(layer.weight.grad * 0.5)  # clipping: after backward
+                opt.step()
+    memory = account.memory()
+    assert memory.peak_phase == "forward"
+    assert memory.peak >= 4 << 20
+    assert {"forward", "backward", "after backward", "optimizer"} <= set(memory.phase_peaks)
+    assert set(memory.phase_peaks) <= set(PHASES)
 
 
 def test_cli_refuses_a_layout_in_one_line_like_the_preflight():

@@ -105,7 +105,7 @@ def paper_table(rows: list[dict]) -> str:
     for r in rows:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["at_peak"].items() if v >= 0.05 * GB)
         paper_comm = "-" if r["paper_comm"] is None else f"{r['paper_comm']:.1f}"
-        phase = r["phase"].split(" ")[0]
+        phase = r["phase"]
         lines.append(
             f"| {r['model']} | {r['layout']}, mbs {r['micro_batch']}"
             f"{', SP' if r['sequence_parallel'] else ''} | {r['level']} "

@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from parallel.topology import Topology
@@ -135,21 +137,32 @@ def heaviest_data_rank(cfg: Config, plan: RunPlan, stage: int) -> int:
     return ranks[max(range(plan.data), key=load.__getitem__)]
 
 
-def plan_stage(cfg: Config, plan: RunPlan, rank: int, exact: bool = False) -> StagePlan:
-    """The plan of ``rank`` at the run's micro-batches (module doc)."""
+def plan_stage(cfg: Config, plan: RunPlan, rank: int, exact: bool = False, say=None) -> StagePlan:
+    """The plan of ``rank`` at the run's micro-batches (module doc); ``say(line)``:
+    progress."""
     steps = None if exact else micro_batch_steps(plan)
     if steps is not None:
-        runs = plan_steps(cfg, plan, rank, steps)
+        runs = plan_steps(cfg, plan, rank, steps, say=say)
         if _is_line(runs, plan.micro_batches):
             return StagePlan(_extend(runs, plan.micro_batches), steps)
-    return StagePlan(plan_rank(cfg, plan, rank), (plan.micro_batches,))
+        if say is not None:
+            say(f"rank {rank}: the short steps are not on one line; the full step")
+    return StagePlan(plan_rank(cfg, plan, rank, say=say), (plan.micro_batches,))
+
+
+def say(line: str) -> None:
+    """A progress line on stderr (``plan_runs(progress=True)``; from worker processes too)."""
+    print(f"plan: {line}", file=sys.stderr, flush=True)
 
 
 def _job(job):
-    cfg, plan, target, exact = job
+    cfg, plan, target, exact, progress = job
     kind, value = target
+    tell = say if progress else None
+    if kind == "stage" and tell is not None and plan.data > 1 and cfg.optimizer.distributed:
+        tell(f"stage {value}: finding its most loaded data-parallel rank")
     rank = heaviest_data_rank(cfg, plan, value) if kind == "stage" else value
-    return plan_stage(cfg, plan, rank, exact)
+    return plan_stage(cfg, plan, rank, exact, tell)
 
 
 def plan_run(
@@ -159,11 +172,13 @@ def plan_run(
     *,
     exact: bool = False,
     jobs: int | None = None,
+    progress: bool = False,
 ) -> tuple[RunPlan, list[StagePlan]]:
     """Pre-flight ``cfg`` on ``world_size`` ranks (a ``ConfigError`` for a layout the run
     would refuse, same message) and plan ``ranks`` (default: each stage's most loaded rank,
-    ``heaviest_data_rank``), in up to ``jobs`` processes (default: one per CPU core)."""
-    return plan_runs([(cfg, world_size, ranks)], exact=exact, jobs=jobs)[0]
+    ``heaviest_data_rank``), in up to ``jobs`` processes (default: one per CPU core);
+    ``progress``: lines on stderr as the plan goes (``say``)."""
+    return plan_runs([(cfg, world_size, ranks)], exact=exact, jobs=jobs, progress=progress)[0]
 
 
 def plan_runs(
@@ -171,6 +186,7 @@ def plan_runs(
     *,
     exact: bool = False,
     jobs: int | None = None,
+    progress: bool = False,
 ) -> list[tuple[RunPlan, list[StagePlan]]]:
     """``plan_run`` of several ``(config, world size, ranks)`` runs, their ranks planned in
     one pool of up to ``jobs`` processes (tables of several models and levels)."""
@@ -183,17 +199,30 @@ def plan_runs(
         targets = (
             [("rank", r) for r in ranks] if ranks else [("stage", s) for s in range(plan.pipeline)]
         )
-        work += [(cfg, plan, t, exact) for t in targets]
+        work += [(cfg, plan, t, exact, progress) for t in targets]
         sizes.append(len(targets))
         plans.append(plan)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
+    start = time.perf_counter()
+    if progress:
+        say(f"{len(work)} rank(s) to plan in {jobs} process(es)")
+
+    def finished(i: int, result: StagePlan) -> StagePlan:
+        if progress:
+            seconds = time.perf_counter() - start
+            say(f"rank {result.result.rank} planned ({i} of {len(work)} done, {seconds:.0f} s)")
+        return result
+
     if jobs == 1:
-        done = [_job(w) for w in work]
+        done = [finished(i + 1, _job(w)) for i, w in enumerate(work)]
     else:
         # spawn: each plan makes its own fake process group, which a forked copy would share.
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            done = list(pool.map(_job, work))
+            futures = {pool.submit(_job, w): i for i, w in enumerate(work)}
+            done = [None] * len(work)
+            for count, future in enumerate(as_completed(futures), 1):
+                done[futures[future]] = finished(count, future.result())
     out, start = [], 0
     for plan, size in zip(plans, sizes):
         out.append((plan, done[start : start + size]))

@@ -259,19 +259,24 @@ def assign_categories(account: StepAccount, state) -> None:
 WARM_UP_MICRO_BATCHES = 1
 
 
-def _account_steps(account: StepAccount, state, steps, rank: int, built: float):
+def _account_steps(account: StepAccount, state, steps, rank: int, built: float, say=None):
     """A warm-up step, then one counted training step of ``state`` per micro-batch count in
-    ``steps``, on its family's example batch, under ``account``. The warm-up is there
+    ``steps``, on its family's example batch, under ``account`` (``say(line)``: progress,
+    before each step). The warm-up is there
     because a first step is not a typical one: the optimizer creates its states in it (torch
     and LowBitAdamW alike, on first use), so a first step's backward runs without them, where
     every later step's holds them."""
     from training.step import train_step
 
     batch = state.family.example_batch(state.model_config, state.cfg.training.micro_batch_size)
+    if say is not None:
+        say(f"rank {rank}: built in {built:.1f} s; a warm-up step")
     train_step(state, repeat(batch), WARM_UP_MICRO_BATCHES)
     topo = state.groups.topology
     results = []
-    for n in steps:
+    for i, n in enumerate(steps):
+        if say is not None:
+            say(f"rank {rank}: step {i + 1} of {len(steps)}, {n} micro-batches")
         start = time.perf_counter()
         account.start_step()
         with account.saving():
@@ -303,13 +308,18 @@ def _account_steps(account: StepAccount, state, steps, rank: int, built: float):
 
 
 def plan_steps(
-    cfg: Config, plan: RunPlan, rank: int, steps: tuple[int, ...], backend: str = "nccl"
+    cfg: Config,
+    plan: RunPlan,
+    rank: int,
+    steps: tuple[int, ...],
+    backend: str = "nccl",
+    say=None,
 ) -> list[RankPlan]:
     """Build rank ``rank`` of ``plan``'s run on meta tensors and, after a warm-up step, run
     one training step of each micro-batch count in ``steps``, counting what each holds,
     computes and sends. Needs a process without a process group (it makes a fake one).
     ``backend``: whose collective implementations the steps take (nccl: a GPU run's; gloo:
-    to check a plan against a real CPU run, ``measure_rank``)."""
+    to check a plan against a real CPU run, ``measure_rank``). ``say(line)``: progress."""
     from parallel.collective_paths import fake_group_backend
     from training.setup import build_run  # the heavy imports only when planning
 
@@ -319,9 +329,11 @@ def plan_steps(
         flash_attention_on_meta(),
         MetaStep() as account,
     ):
+        if say is not None:
+            say(f"rank {rank}: building on the meta device")
         start = time.perf_counter()
         state = build_run(cfg, plan, planning=True)
-        return _account_steps(account, state, steps, rank, time.perf_counter() - start)
+        return _account_steps(account, state, steps, rank, time.perf_counter() - start, say)
 
 
 def plan_rank(
@@ -330,9 +342,11 @@ def plan_rank(
     rank: int,
     micro_batches: int | None = None,
     backend: str = "nccl",
+    say=None,
 ) -> RankPlan:
     """``plan_steps`` of one step of ``micro_batches`` (default: the plan's)."""
-    return plan_steps(cfg, plan, rank, (micro_batches or plan.micro_batches,), backend)[0]
+    steps = (micro_batches or plan.micro_batches,)
+    return plan_steps(cfg, plan, rank, steps, backend, say)[0]
 
 
 def accelerator_update(state) -> None:

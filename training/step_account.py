@@ -40,13 +40,25 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from parallel.comm_meter import wire_bytes
 
-__all__ = ["CATEGORIES", "MemoryReport", "StepAccount"]
+__all__ = ["CATEGORIES", "MemoryReport", "PHASES", "StepAccount"]
 
 CATEGORIES = (
     "weights", "grads", "master", "optimizer", "activations", "comm", "temporaries",
 )  # fmt: skip
 _NAMED = CATEGORIES[:4]  # assigned by the caller from the run's objects
 
+# Where the step is when an op runs, by position, not by autograd's grad mode (an FP8 GEMM's
+# own autograd.Function runs its forward with grad off, and is forward all the same):
+PHASES = {
+    "step start": "before the first forward: the batches moved to the device",
+    "forward": "inside a module's forward (its autograd functions included), the loss, and "
+    "what runs between a forward and the next backward (pipeline sends)",
+    "backward": "while autograd runs a backward (recompute and gradient-reduction hooks included)",
+    "after backward": "after a backward, before the optimizer: the gradients' reduction, "
+    "unscaling and clipping (and a pipeline's sends of gradients)",
+    "optimizer": "from the optimizer's update to the step's end: masters, the weights' "
+    "all-gather, the loss scaler, the losses' all-reduce",
+}
 _aten = torch.ops.aten
 _CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_FLASH_BWD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -97,8 +109,8 @@ class _Record:
 class MemoryReport:
     """``peak``: the most bytes live at once during the step; ``at_peak``: those bytes by
     category; ``end``: bytes live when the step ended, by category (what stays between
-    steps); ``peak_phase``: where in the step the peak fell; ``phase_peaks``: the most bytes
-    live at once within each phase (forward, backward, the no-grad rest)."""
+    steps); ``peak_phase``: where in the step the peak fell (``PHASES``); ``phase_peaks``: the
+    most bytes live at once within each phase."""
 
     peak: int
     at_peak: dict[str, int]
@@ -130,6 +142,40 @@ class StepAccount(TorchDispatchMode):
         self.host_reads = 0  # values read on the host that a meta step answered (MetaStep)
         self.wire: dict[str, int] = defaultdict(int)  # bytes this rank sent, by collective kind
         self.step_started = False
+        self._modules = 0  # depth of module forwards now running
+        self._last = "step start"  # the phase of the last forward or backward op seen
+        self._hooks: list = []
+
+    def __enter__(self):
+        # Where the step is (``_phase``): module forwards and optimizer steps are seen by
+        # torch's global hooks, held only while this account is active.
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def enter(*_):
+            self._modules += 1
+
+        def leave(*_):
+            self._modules -= 1
+
+        def optimizing(*_):
+            self._last = "optimizer"
+
+        self._hooks = [
+            register_module_forward_pre_hook(enter),
+            register_module_forward_hook(leave, always_call=True),
+            register_optimizer_step_pre_hook(optimizing),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
 
     # ---- the dispatch hook --------------------------------------------------------------
 
@@ -228,16 +274,24 @@ class StepAccount(TorchDispatchMode):
         self.step_started = True
         self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, "step start"
         self._phase_peaks = {}
+        self._last = "step start"
         self.flops.clear()
         self.traffic = self.host_reads = 0
         self.wire.clear()
 
     def _phase(self) -> str:
+        """Where the step is now (``PHASES``)."""
         if not self.step_started:
             return "build"
         if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return "forward" if torch.is_grad_enabled() else "no-grad (optimizer, collectives)"
+            self._last = "backward"
+        elif self._modules > 0 or (
+            torch.is_grad_enabled() and self._last in ("forward", "backward")
+        ):
+            self._last = "forward"  # (outside a module: the loss, between micro-batches)
+        elif self._last == "backward":
+            return "after backward"
+        return self._last
 
     def saving(self):
         """Tag every tensor autograd saves for backward as an activation."""
