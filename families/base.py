@@ -107,6 +107,10 @@ class ModelFamily(ABC):
     # What one sample is, for the console's throughput ("images/s" for ViT); the metric is
     # "samples-per-second" for every family.
     sample_unit: ClassVar[str] = "samples"
+    # The console's name of a metric (or of "<name> PPL", its validation perplexity) where
+    # the metric's own name, kept in metrics.jsonl and TensorBoard, would mislead there
+    # (RoBERTa's Megatron-named "lm loss" is a masked-LM loss).
+    console_labels: ClassVar[dict[str, str]] = {}
 
     def run_metrics(self, cfg) -> tuple[str, ...]:
         """The metrics a run of ``cfg`` reports and ``loss`` returns: ``metric_names`` or a

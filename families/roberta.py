@@ -124,6 +124,8 @@ class RobertaFamily(ModelFamily):
     # Megatron's BERT names "lm loss" and "sop loss"; the sop pair only with the binary head.
     metric_names = ("lm loss", "mlm accuracy", "sop loss", "sop accuracy")
     perplexity_metrics = ("lm loss",)
+    # On the console its masked-LM loss reads as such, beside "mlm accuracy".
+    console_labels = {"lm loss": "mlm loss", "lm loss PPL": "mlm PPL"}
     # Masked-LM data needs a <mask> piece: the default corpus's tokenizer is trained with it
     # (a cache of its own, apart from GPT's).
     control_symbols = ("<mask>",)

@@ -19,7 +19,7 @@ from fp8train.machine_cache import remember
 from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
-from training.metrics import MetricsWriter, format_console_line
+from training.metrics import MetricsWriter, format_console_line, format_validation_line
 from training.plan import RunPlan, plan_parallel
 from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
@@ -303,19 +303,16 @@ class _Run:
         """The logging rank's output of one interval's metrics ``m``: the console line (and
         the validation line), TensorBoard scalars and the metrics.jsonl record."""
         state, family, iteration = self.state, self.state.family, self.iteration
+        labels = family.console_labels
         print(
             format_console_line(
-                iteration, self.t.train_iters, m, state.metrics, family.sample_unit
+                iteration, self.t.train_iters, m, state.metrics, family.sample_unit, labels
             ),
             flush=True,
         )
         if valid is not None:
-            parts = [f" validation loss at iteration {iteration}"]
-            for name, value in valid.items():
-                parts.append(f"{name} value: {value:.6E}")
-                if name in family.perplexity_metrics:
-                    parts.append(f"{name} PPL: {m[f'{name} validation ppl']:.6E}")
-            print(" | ".join(parts) + " |", flush=True)
+            line = format_validation_line(iteration, valid, family.perplexity_metrics, labels)
+            print(line, flush=True)
         scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
         scalars.pop("iteration")
         for group in ("bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-element"):

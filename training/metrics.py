@@ -13,17 +13,24 @@ from pathlib import Path
 
 from data.progress import format_duration
 
-__all__ = ["MetricsWriter", "format_console_line"]
+__all__ = ["MetricsWriter", "format_console_line", "format_validation_line"]
 
 # Tags that also get a "<tag> vs samples" twin, as Megatron writes them (plus the losses).
 _SAMPLE_TWINS = ("learning-rate", "loss-scale", "grad-norm", "batch-size")
 
 
 def format_console_line(
-    iteration: int, train_iters: int, m: dict, loss_names: tuple[str, ...], unit: str = "samples"
+    iteration: int,
+    train_iters: int,
+    m: dict,
+    loss_names: tuple[str, ...],
+    unit: str = "samples",
+    labels: dict[str, str] | None = None,
 ) -> str:
     """Megatron's training log line, field for field where the field exists here; one field
-    per loss of the model family, and the samples (``unit``: images for ViT) per second."""
+    per loss of the model family (under its console label, ``labels``: the family's
+    ``console_labels``), and the samples (``unit``: images for ViT) per second."""
+    labels = labels or {}
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         *(
@@ -38,12 +45,31 @@ def format_console_line(
         f"MFU: {m['mfu'] * 100:.2f}%",
         f"learning rate: {m['learning-rate']:.6E}",
         f"global batch size: {m['batch-size']:5d}",
-        *(f"{name}: {m[name]:.6E}" for name in loss_names),
+        *(f"{labels.get(name, name)}: {m[name]:.6E}" for name in loss_names),
         f"loss scale: {m['loss-scale']:.1f}",
         f"grad norm: {m['grad-norm']:.3f}",
         f"number of skipped iterations: {m['skipped-iterations']:3d}",
         f"number of nan iterations: {m['nan-iterations']:3d}",
     ]
+    return " | ".join(parts) + " |"
+
+
+def format_validation_line(
+    iteration: int,
+    valid: dict[str, float],
+    perplexity: tuple[str, ...] = (),
+    labels: dict[str, str] | None = None,
+) -> str:
+    """Megatron's validation line: each metric's value, and the perplexity of those in
+    ``perplexity`` (the family's ``perplexity_metrics``), under the console labels
+    ``labels`` (the family's ``console_labels``: "<name>" and "<name> PPL")."""
+    labels = labels or {}
+    parts = [f" validation loss at iteration {iteration}"]
+    for name, value in valid.items():
+        parts.append(f"{labels.get(name, name)} value: {value:.6E}")
+        if name in perplexity:
+            ppl = math.exp(min(value, 20.0))
+            parts.append(f"{labels.get(f'{name} PPL', f'{name} PPL')}: {ppl:.6E}")
     return " | ".join(parts) + " |"
 
 
