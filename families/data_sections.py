@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from data.split import PART_NAMES, split_problem
 from families.config_fields import Section, doc_field, show_value
 
 __all__ = ["ImageDataSection", "TextDataSection"]
@@ -49,7 +50,10 @@ class TextDataSection(Section):
         ".cache/data", "Where the default corpus and its tokenizer are cached."
     )
     split: str = doc_field(
-        "98,2,0", "train,valid,test weights: three non-negative numbers, not all 0."
+        "98,2,0",
+        "train,valid,test weights: three non-negative numbers, not all 0, cutting the documents "
+        "in file order. Each set the run reads needs at least one document: checked before "
+        "the run starts, and the message proposes a split that fits (e.g. 19,1,0 for 20).",
     )
 
     def _check(self) -> None:
@@ -64,6 +68,19 @@ class TextDataSection(Section):
                 f"data.tokenizer_type {self.tokenizer_type!r} needs data.corpus 'prefix' (the "
                 "stdlib corpus trains its own SentencePiece tokenizer)"
             )
+
+    def check_split(
+        self,
+        num_documents: int,
+        required: tuple[str, ...] = ("train", "valid"),
+        checked: tuple[str, ...] = PART_NAMES,
+    ) -> None:
+        """Raise ``ValueError`` naming ``data.split``, with a split that fits, when it leaves
+        a set the dataset build needs without documents (``data.split.split_problem``:
+        ``required`` sets are read whatever their weight, ``checked`` ones when weighted)."""
+        problem = split_problem(self.split, self.split_weights(), num_documents, required, checked)
+        if problem:
+            raise ValueError(problem)
 
     def split_weights(self) -> tuple[float, float, float]:
         """The split as normalised fractions (train, valid, test)."""

@@ -93,11 +93,14 @@ class GPTFamily(ModelFamily):
 
     def preflight(self, cfg) -> GPTConfig | None:
         """The data files' headers and the tokenizer (data/prepare.py ``check_text_data``),
-        and ``data.cache_dir``, where megatron-core's sample indices go."""
+        ``data.cache_dir``, where megatron-core's sample indices go, and ``data.split``
+        against the documents (``build_datasets`` reads a train and a valid set, and refuses
+        a weighted test set without documents)."""
         prepared = check_text_data(cfg.data, cfg.training.seed)
         check_directory("data.cache_dir", cfg.data.cache_dir)
         if prepared is None:  # the default corpus, built when the run starts
             return None
+        cfg.data.check_split(prepared.num_documents)
         data = GPTData(prepared.tokenizer(), prepared.data_prefix)
         return self.model_config(cfg, data, cfg.parallel.tensor)
 

@@ -136,10 +136,12 @@ class RobertaFamily(ModelFamily):
         return self.metric_names[:2]
 
     def preflight(self, cfg) -> RobertaConfig | None:
-        """The data files' headers and the tokenizer with its masked-LM pieces."""
+        """The data files' headers, the tokenizer with its masked-LM pieces, and
+        ``data.split`` against the documents (a train set, and a valid one when weighted)."""
         prepared = check_text_data(cfg.data, cfg.training.seed, self.control_symbols)
         if prepared is None:  # the default corpus, built when the run starts
             return None
+        cfg.data.check_split(prepared.num_documents, ("train",), ("train", "valid"))
         return self.model_config(cfg, _roberta_data(prepared), cfg.parallel.tensor)
 
     def prepare_data(self, cfg, rank: int) -> RobertaData:

@@ -91,6 +91,24 @@ def test_train_and_valid_documents_are_disjoint(corpus):
         assert set(np.asarray(ds.document_index)[rows]) <= docs
 
 
+def test_the_preflights_split_arithmetic_is_megatrons():
+    """data/split.py cuts documents without importing megatron-core (the pre-flight's cost);
+    its ranges are megatron-core's for every split and size, and every split it proposes
+    fits."""
+    from data.split import document_ranges, fitting_split
+    from families.data_sections import TextDataSection
+
+    splits = ["98,2,0", "90,5,5", "1,1,1", "100,0,0", "0,1,0", "949,50,1", "3,0,1", "0.5,0.25,0.25"]
+    for split in splits:
+        weights = TextDataSection(split=split).split_weights()
+        for n in (1, 2, 3, 7, 10, 20, 49, 50, 51, 100, 731, 1000):
+            assert document_ranges(weights, n) == split_document_ranges(split, n), (split, n)
+            fits = fitting_split(weights, n)
+            if fits is not None:
+                TextDataSection(split=fits).check_split(n)
+                assert sum(int(c) for c in fits.split(",")) == n
+
+
 def test_split_without_documents_is_rejected(corpus):
     with pytest.raises(ValueError, match="valid set no documents"):
         _build(corpus, "c4", split="100,0,0")

@@ -26,6 +26,7 @@ from multiproc import TORCHRUN, _hidden_gpus
 from checkpoint.store import CheckpointError
 from data.indexed import check_index_header
 from data.paths import directory_problem
+from tools.preprocess_data import main as preprocess_main
 from training.config import ConfigError, load_config
 from training.preflight import PREFLIGHT_ERRORS, preflight
 
@@ -87,7 +88,16 @@ def bad_data(tiny_data, tmp_path_factory):
     corrupt.write_bytes(b"this is not a SentencePiece model" * 10)
     afile = root / "a_file"
     afile.write_text("a regular file\n")
-    return {"truncated": truncated, "not_index": not_index, "corrupt": corrupt, "file": afile}
+    # A user's own small corpus: 20 JSONL documents, tokenized as tools/preprocess_data.py
+    # does it (too few for the default split's 2% validation set).
+    jsonl = root / "small.jsonl"
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(20)]
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    argv = ["--input", jsonl, "--tokenizer-model", tiny_data.tokenizer_model,
+            "--output-prefix", root / "small"]  # fmt: skip
+    assert preprocess_main([str(a) for a in argv]) == 0
+    return {"truncated": truncated, "not_index": not_index, "corrupt": corrupt, "file": afile,
+            "small": root / "small_text_document"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +141,37 @@ def test_preflight_names_the_culprit(tiny_data, bad_data, tmp_path, case, needle
     if "under_a_file" in case:
         assert message.endswith(f"{bad_data['file']} is not a directory"), message
     assert not run_dir.exists()
+
+
+def test_a_split_that_leaves_a_set_without_documents_is_refused(tiny_data, bad_data, tmp_path):
+    """20 documents and the default 98,2,0: the validation set would get none, which
+    megatron-core found after every worker had started (a traceback per rank). Refused
+    here, naming data.split and a split that fits, which then passes."""
+    small = {"data.data_prefix": str(bad_data["small"])}
+    overrides = _overrides(tiny_data, tmp_path / "run", **small)
+    assert load_config(CONFIG, overrides).data.split == "98,2,0"
+    assert _refusal(overrides) == (
+        "config: data.split='98,2,0' gives the valid set none of the dataset's 20 documents; "
+        "one that fits: data.split=19,1,0"
+    )
+    preflight(load_config(CONFIG, [*overrides, "data.split=19,1,0"]), 1)
+    message = _refusal([*overrides, "data.split=94,5,1"])  # 19, 1, 0 documents
+    assert message.startswith("config: data.split='94,5,1' gives the test set none"), message
+    assert message.endswith("data.split=18,1,1"), message
+    assert not (tmp_path / "run").exists()
+
+
+def test_nccl_without_cuda_is_refused(tiny_data, tmp_path, monkeypatch):
+    """Before any worker: under torchrun the worker that found it first made the agent end
+    the others (exit 1, "exited with code -15")."""
+    from fp8train import device
+
+    monkeypatch.setattr(device, "is_cuda", lambda: False)
+    overrides = _overrides(tiny_data, tmp_path / "run", **{"parallel.backend": "nccl"})
+    message = _refusal(overrides, world=2)
+    assert message.startswith("config: parallel.backend=nccl needs CUDA"), message
+    assert "set parallel.backend=gloo" in message
+    preflight(load_config(CONFIG, [*overrides, "parallel.backend=gloo"]), 2)
 
 
 @pytest.mark.parametrize(
@@ -268,9 +309,22 @@ TORCHRUN_CASES = {
 }
 
 
+# Through the launcher only: the pre-flight's other checks reach workers the same way.
+LAUNCHER_CASES = {
+    **TORCHRUN_CASES,
+    # 2 ranks: the GPUs hidden (_run), so nccl has no CUDA on any machine.
+    "nccl_without_cuda": (2, "parallel.backend=nccl needs CUDA"),
+    "small_corpus": (2, "data.split='98,2,0' gives the valid set none"),
+}
+
+
 def _case_args(case: str, data, bad_data, checkpoints, run_dir: Path) -> list[str]:
     if case == "indivisible_batch":  # the shipped config's batch (8 = 4 x 2) on 3 ranks
         return [f"logging.dir={run_dir}"]
+    if case == "nccl_without_cuda":
+        return [f"logging.dir={run_dir}", "parallel.backend=nccl"]
+    if case == "small_corpus":
+        return _overrides(data, run_dir, **{"data.data_prefix": str(bad_data["small"])})
     extra = {
         "missing_data": {"data.data_prefix": str(run_dir.parent / "nothing_text_document")},
         "checkpoint_of_another_family": {"checkpoint.load": str(checkpoints["roberta"])},
@@ -331,11 +385,14 @@ def test_plain_torchrun_stops_every_worker_with_one_line(torchrun_results, case)
 # Through training.launcher (what make train runs): one line, and no worker started.
 
 
-@pytest.mark.parametrize("case", ["indivisible_batch", "checkpoint_of_another_family"])
+@pytest.mark.parametrize(
+    "case",
+    ["indivisible_batch", "checkpoint_of_another_family", "nccl_without_cuda", "small_corpus"],
+)
 def test_the_launcher_prints_one_line_and_starts_no_worker(
     tiny_data, bad_data, checkpoints, tmp_path, case
 ):
-    nproc, needle = TORCHRUN_CASES[case]
+    nproc, needle = LAUNCHER_CASES[case]
     run_dir = tmp_path / "run"
     logs = tmp_path / "torchrun_logs"  # torchrun fills it once it starts workers
     cmd = [sys.executable, "-m", "training.launcher", "--standalone", "--log-dir", str(logs),

@@ -1,7 +1,8 @@
 """Pre-flight: everything a run's config and its world size let us check before any worker
 starts or any process group exists, each problem one line naming the key or file.
 
-- the parallel layout and the batch split for the world size (training/plan.py);
+- the parallel layout and the batch split for the world size (training/plan.py), and a
+  ``parallel.backend`` this machine has (nccl needs CUDA);
 - ``logging.dir`` and ``checkpoint.dir`` can be created and written (nothing is created),
   and no running job holds ``checkpoint.dir`` (training/run_lock.py);
 - the family's data: files present and in their format, the tokenizer loads, caches can be
@@ -25,6 +26,7 @@ from dataclasses import replace
 from checkpoint.store import CheckpointError
 from data.paths import check_directory
 from families import get_family
+from fp8train import device as devices
 from parallel.topology import TopologyError
 from training.config import Config, ConfigError, load_config
 from training.plan import ResumePlan, RunPlan, plan_parallel
@@ -56,6 +58,16 @@ def _check_directories(cfg: Config) -> None:
         raise CheckpointError(held)
 
 
+def _check_backend(cfg: Config) -> None:
+    # A worker finds out only once torchrun has started every rank, and the agent then ends
+    # the others with SIGTERM: exit 1 and "exited with code -15" instead of one line.
+    if cfg.parallel.backend == "nccl" and not devices.is_cuda():
+        raise ConfigError(
+            "config: parallel.backend=nccl needs CUDA, and this machine has none: set "
+            "parallel.backend=gloo (or auto: nccl on CUDA, gloo on the CPU)"
+        )
+
+
 def _check_checkpoint(cfg: Config, family, model_config) -> ResumePlan | None:
     resume = resume_plan(cfg)
     if resume is None:
@@ -79,6 +91,7 @@ def preflight(cfg: Config, world_size: int | None) -> RunPlan | None:
     (None without a world size), which the build takes as it is. Raises one of
     ``PREFLIGHT_ERRORS`` with a one-line message; writes nothing."""
     plan = plan_parallel(cfg, world_size) if world_size is not None else None
+    _check_backend(cfg)
     _check_directories(cfg)
     family = get_family(cfg.family)
     try:
