@@ -39,6 +39,7 @@ A JSON object comes back as a ``JsonObject``: a key it lacks, or a value of the 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +60,7 @@ __all__ = [
     "LAYOUT_KEY",
     "slice_suffix",
     "expected_files",
+    "save_safetensors",
     "write_tensors",
     "write_tensors_streaming",
     "SAFETENSORS_DTYPES",
@@ -263,6 +265,32 @@ def expected_files(metadata: dict, kind: str) -> list[str]:
     return names
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``os.umask`` sets
+    it to read it: another thread creating a file in between would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """``safetensors.torch.save_file``, with the mode any other new file gets (``0o666``
+    less the umask): safetensors writes through a private temporary file and renames it, so
+    its files come out 0600, unreadable by the other users and jobs of a shared file system
+    that the checkpoint's other files (and resharded ones) are readable by."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], layouts: dict) -> None:
     """Save ``tensors`` (CPU copies are made) with their layouts in the file's header."""
     own = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
@@ -271,7 +299,7 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], layouts: d
         entry = dict(layouts.get(name, _WHOLE))
         entry["dtype"] = str(value.dtype).removeprefix("torch.")
         entries[name] = entry
-    save_file(own, str(path), metadata={LAYOUT_KEY: json.dumps(entries, sort_keys=True)})
+    save_safetensors(own, path, metadata={LAYOUT_KEY: json.dumps(entries, sort_keys=True)})
 
 
 # safetensors' dtype names (its header's "dtype"), for the dtypes a checkpoint holds.

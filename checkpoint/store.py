@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from checkpoint.format import (
     FORMAT_VERSION,
@@ -42,6 +41,7 @@ from checkpoint.format import (
     JsonObject,
     load_safetensors,
     read_json,
+    save_safetensors,
     slice_suffix,
     write_tensors,
 )
@@ -261,7 +261,7 @@ def write_rank_files(part: RankFiles) -> None:
         write_tensors(tmp / file_name, tensors, layouts)
         written.append(tmp / file_name)
     rng_file = tmp / f"rng_rank{part.rank}.safetensors"
-    save_file(part.rng, str(rng_file))
+    save_safetensors(part.rng, rng_file)
     written.append(rng_file)
     if part.metadata_json is not None:
         (tmp / "metadata.json").write_text(part.metadata_json)

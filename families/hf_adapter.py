@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors.torch import save_file
 
 from families.base import read_hf_config
 
@@ -62,6 +61,9 @@ class HFAdapter(ABC):
     family: ClassVar[str]
     # The ``config.json`` ``model_type`` values it reads (the family's ``hf_model_types``).
     model_types: ClassVar[tuple[str, ...]]
+    # What turns a user's raw inputs into the model's, as an export's one line names it: a
+    # tokenizer (text families: training/tokenizer_files.py writes it) or an image processor.
+    inputs: ClassVar[str] = "tokenizer"
 
     # -- per family ------------------------------------------------------------------------
 
@@ -97,6 +99,13 @@ class HFAdapter(ABC):
     @abstractmethod
     def export_extra(self, structure: JsonObject) -> dict:
         """The ``extra`` keywords of ``save`` for a checkpoint of this ``model_structure``."""
+
+    def write_inputs(self, metadata: JsonObject, directory: Path) -> str | None:
+        """Write into export ``directory`` the files that prepare raw inputs for the model
+        where the family makes them itself from checkpoint ``metadata`` (ViT: the image
+        processor of its run's evaluation view); one line saying what was written, or None
+        where the family has none (text: its tokenizer is written from the run's files)."""
+        return None
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -194,7 +203,9 @@ class HFAdapter(ABC):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        from checkpoint.format import save_safetensors  # the format: no model code
+
+        save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
         return out
 
     def export(

@@ -13,6 +13,9 @@ embeddings``). The class names travel as ``id2label``.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +26,10 @@ from models.vit import ViTConfig, interpolate_position_embeddings
 if TYPE_CHECKING:
     from checkpoint.format import JsonObject
 
-__all__ = ["ViTHFAdapter"]
+__all__ = ["PREPROCESSOR", "ViTHFAdapter", "image_processor_config"]
+
+PREPROCESSOR = "preprocessor_config.json"  # what AutoImageProcessor.from_pretrained reads
+EVAL_CROP_RATIO = 0.875  # data.crop_ratio's default, for a checkpoint whose config lacks it
 
 _LAYER = {  # Hugging Face module (layer index as {i}) -> this project's single-process name
     "layernorm_before": "input_norm",
@@ -39,6 +45,37 @@ _TOP = {
     "classifier.weight": "classifier.weight",
     "classifier.bias": "classifier.bias",
 }
+
+
+def image_processor_config(
+    image_size: int, channels: int, mean, std, crop_ratio: float = EVAL_CROP_RATIO
+) -> dict:
+    """A Hugging Face ``CLIPImageProcessor`` configuration that gives the pixels this
+    project's evaluation view does (data/image_data.py): the shorter side resized to
+    ``image_size / crop_ratio`` (rounded half up; bilinear, as Pillow antialiases it), the
+    centre ``image_size`` square cut out (a crop offset of half a pixel may round the other
+    way), ``pixels / 255`` normalised by the run's per-channel ``mean`` and ``std`` (one
+    value: every channel). Grayscale runs keep one channel (no RGB conversion)."""
+    short = math.floor(image_size / crop_ratio + 0.5)
+
+    def per_channel(values) -> list[float]:
+        values = [float(v) for v in values]
+        return values * channels if len(values) == 1 else values
+
+    return {
+        "image_processor_type": "CLIPImageProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": short},
+        "resample": 2,  # PIL.Image.BILINEAR
+        "do_center_crop": True,
+        "crop_size": {"height": image_size, "width": image_size},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": per_channel(mean),
+        "image_std": per_channel(std),
+        "do_convert_rgb": channels == 3,
+    }
 
 
 def _labels(hf: JsonObject) -> dict:
@@ -146,3 +183,32 @@ class ViTHFAdapter(EncoderHFAdapter):
 
     def export_extra(self, structure: JsonObject) -> dict:
         return {"classes": structure.get("classes")}
+
+    inputs = "image processor"
+
+    def write_inputs(self, metadata: JsonObject, directory: Path) -> str | None:
+        """``preprocessor_config.json`` (``image_processor_config``) from the run's image size,
+        channels and normalisation statistics, unless the export already holds one (an
+        import's own, carried through); a checkpoint without statistics (an import from a
+        directory without a processor) gets none, and the line says why."""
+        path = Path(directory) / PREPROCESSOR
+        if path.exists():
+            return None
+        structure = metadata["model_structure"]
+        mean, std = structure.get("mean"), structure.get("std")
+        if mean is None or std is None:
+            return (
+                f"{self.inputs}: none written (the checkpoint records no normalisation "
+                "statistics: it was imported from a directory without a preprocessor_config.json)"
+            )
+        size, channels = structure["image_size"], structure["num_channels"]
+        data = (metadata.get("config") or {}).get("data") or {}
+        crop = data.get("crop_ratio", EVAL_CROP_RATIO)
+        config = image_processor_config(size, channels, mean, std, crop)
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        short = config["size"]["shortest_edge"]
+        return (
+            f"{self.inputs}: {PREPROCESSOR} (CLIPImageProcessor: shorter side to {short}, centre "
+            f"{size}x{size}, mean {config['image_mean']}, std {config['image_std']}: the run's "
+            "evaluation view)"
+        )

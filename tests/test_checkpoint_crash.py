@@ -22,7 +22,7 @@ from checkpoint import store as checkpointing
 from checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
 
 FILE = "model.safetensors"
-STEPS = ("write_tensors", "save_file", "_fsync", "_write_pointer", "_prune")
+STEPS = ("write_tensors", "save_safetensors", "_fsync", "_write_pointer", "_prune")
 
 
 def _save(root, iteration: int, value: float) -> None:

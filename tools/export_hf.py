@@ -9,8 +9,10 @@ The checkpoint says its model family; any parallel layout and precision level: t
 checkpoint is reassembled (scaled FP16/FP8 weights dequantized) and mapped by the family's
 adapter (families/<family>.py). The output directory holds ``config.json``,
 ``model.safetensors`` and the run's tokenizer (training/tokenizer_files.py: a SentencePiece
-model becomes a ``LlamaTokenizer`` checked to give this project's ids);
-``from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it. The same as
+model becomes a ``LlamaTokenizer`` checked to give this project's ids), or for ViT the image
+processor (``preprocessor_config.json``: the run's evaluation view and normalisation);
+``from_pretrained`` and ``AutoTokenizer.from_pretrained`` (``AutoImageProcessor``) load it.
+One line on stderr says which was written, or why none was. The same as
 ``tools/convert_checkpoint.py --format hf``: a damaged checkpoint file is one ``error:`` line
 naming it, exit 2, and nothing is left at ``--output``.
 """

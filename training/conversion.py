@@ -266,7 +266,8 @@ def import_hf(
 
 def export_hf(source_path: str | Path, output: str | Path, progress: Progress = _stderr) -> Path:
     """A native checkpoint (any layout, any level) as a Hugging Face model directory, with
-    the run's tokenizer beside it where one is found (training/tokenizer_files.py). The
+    the run's tokenizer beside it where one is found (training/tokenizer_files.py), or the
+    family's own input files (ViT: ``preprocessor_config.json``, ``HFAdapter.write_inputs``). The
     metadata and every model file's header are checked before ``output`` is made; a failure
     after that leaves ``output`` as it was (absent or empty)."""
     checkpoint = resolve_checkpoint(source_path)
@@ -274,7 +275,10 @@ def export_hf(source_path: str | Path, output: str | Path, progress: Progress = 
     SourceCheckpoint(checkpoint, kinds=("model",))  # what the export reads: refused here
     checkpoint_config(meta, ("model",))
     family = checkpoint_family(meta)
+    adapter = family.hf_adapter
     with output_folder(output, owned=True) as root:
         out = family.export_hf(checkpoint, root)
-        progress(export_tokenizer(checkpoint, meta, out, family.control_symbols))
+        carried = export_tokenizer(checkpoint, meta, out, family.control_symbols, adapter.inputs)
+        # A family's own input files (ViT: its image processor) where none were carried.
+        progress(adapter.write_inputs(meta, out) or carried)
     return out

@@ -104,16 +104,19 @@ def run_cache_dir(path: str) -> Path:
     return checkout
 
 
-def export_tokenizer(checkpoint: Path, metadata: dict, directory: Path, control_symbols=()) -> str:
+def export_tokenizer(
+    checkpoint: Path, metadata: dict, directory: Path, control_symbols=(), what="tokenizer"
+) -> str:
     """Write the run's tokenizer (``run_tokenizer``) into Hugging Face model ``directory``;
-    returns a one-line description of what was written, or of why nothing was."""
+    returns a one-line description of what was written, or of why nothing was, starting
+    with ``what`` (an image model's carried files: "image processor")."""
     found = run_tokenizer(checkpoint, metadata, control_symbols)
     if found is None:
-        return "tokenizer: none written (the checkpoint names no tokenizer file that exists)"
+        return f"{what}: none written (the checkpoint names no {what} file that exists)"
     kind, path = found
     if kind == "huggingface":
         names = copy_tokenizer_files(path, Path(directory))
-        return f"tokenizer: copied {', '.join(names)} from {path}"
+        return f"{what}: copied {', '.join(names)} from {path}"
     return _sentencepiece_as_llama(path, Path(directory))
 
 
