@@ -7,13 +7,17 @@ optimizer, scheduler, loss scaler and FP8 scaling state all come back from the c
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_overrides
 
-from training.config import load_config
+from training.config import ConfigError, load_config
 from training.loop import pretrain
+from training.preflight import preflight
+from training.resume_check import FINETUNED_FROM, resume_plan, set_aside
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -21,11 +25,14 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["iteration"], r["lm loss"]) for r in records]
 
 
-def _train(data, run_dir, level, **extra):
-    cfg = load_config(
+def _config(data, run_dir, level, **extra):
+    return load_config(
         str(REPO / "configs/gpt_tiny.yaml"), tiny_overrides(data, run_dir, level, **extra)
     )
-    return pretrain(cfg)
+
+
+def _train(data, run_dir, level, **extra):
+    return pretrain(_config(data, run_dir, level, **extra))
 
 
 @pytest.mark.parametrize("level", ["te", "bf16", "fp16", "O1", "O2", "O3", "te:bf16", "O3:bf16"])
@@ -38,6 +45,63 @@ def test_resume_gives_identical_losses(tiny_data, tmp_path, level):
     _train(tiny_data, resumed, level)  # picks up checkpoints/latest = iter 3
     assert _losses(resumed) == _losses(straight)
     assert (resumed / "checkpoints" / "latest").read_text().strip() == "iter_0000006"
+
+
+def _saved_level(checkpoint: Path) -> tuple[str, int]:
+    meta = json.loads((checkpoint / "metadata.json").read_text())
+    return meta["config"]["precision"]["level"], meta["iteration"]
+
+
+_ITERS = ["iter_0000002", "iter_0000004"]
+
+
+def test_finetune_switches_a_runs_level_in_place(tiny_data, tmp_path, capsys):
+    """A te run continued at O2 is refused, naming checkpoint.finetune=true; the same command
+    with that hint added, as printed, fine-tunes from the run's own checkpoint (one line says
+    so): the te checkpoints move, intact, into checkpoints/te, out of the way of the
+    fine-tune's own, which count from 0; the same command again continues the fine-tune."""
+    run, steps = tmp_path / "run", {"training.train_iters": 4, "checkpoint.save_interval": 2}
+    ck = run / "checkpoints"
+    _train(tiny_data, run, "te", **steps)
+    te_meta = (ck / "iter_0000004" / "metadata.json").read_text()
+    source = tmp_path / "te_checkpoints"  # as the te run left them, for the restarts below
+    shutil.copytree(ck, source, ignore=shutil.ignore_patterns(".lock"))
+    with pytest.raises(ConfigError) as err:  # what the entry point's pre-flight says
+        preflight(_config(tiny_data, run, "O2", **steps), 1)
+    key, value = re.search(r"with (checkpoint\.\w+)=(\w+)", str(err.value)).groups()
+    capsys.readouterr()
+    _train(tiny_data, run, "O2", **steps, **{key: value})
+    out = capsys.readouterr().out
+    assert (
+        f"> checkpoint.finetune: checkpoint.dir held te checkpoints; moved them to {ck / 'te'} "
+        "(checkpoint.load reads it) to fine-tune at O2 from its iter_0000004\n"
+    ) in out
+    moved = ck / "te" / "iter_0000004"
+    assert f"loaded the weights of {moved}: fine-tuning from iteration 0" in out
+    assert sorted(p.name for p in (ck / "te").iterdir()) == [*_ITERS, "latest"]
+    assert (moved / "metadata.json").read_text() == te_meta
+    assert _saved_level(ck / "iter_0000004") == ("O2", 4)
+    assert [i for i, _ in _losses(run)] == [1, 2, 3, 4]
+    _train(tiny_data, run, "O2", **{**steps, "training.train_iters": 6, key: value})
+    assert f"resumed from {ck / 'iter_0000004'} at iteration 4" in capsys.readouterr().out
+
+    # A restart before the fine-tune's first save, or one that stopped the move part way,
+    # fine-tunes from the same checkpoint (checkpoints/finetuned_from names it).
+    for state in ("moved", "marked", "latest_gone"):
+        directory = tmp_path / state
+        shutil.copytree(source, directory)
+        if state == "moved":
+            set_aside(directory, "te", "iter_0000004")
+        else:
+            (directory / FINETUNED_FROM).write_text("te/iter_0000004\n")
+        if state == "latest_gone":
+            (directory / "latest").unlink()
+        plan = resume_plan(
+            _config(tiny_data, run, "O2", **{key: value, "checkpoint.dir": directory})
+        )
+        where = directory / "te" if state == "moved" else directory
+        assert (plan.path, plan.weights_only) == (where / "iter_0000004", True), state
+        assert plan.set_aside == (None if state == "moved" else "te"), state
 
 
 def test_metrics_and_checkpoint_contents(tiny_data, tmp_path):

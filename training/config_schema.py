@@ -338,7 +338,10 @@ class CheckpointConfig(_Section):
     finetune: bool = _f(
         False,
         "Take only the model weights from checkpoint.load (any level: dequantized, then stored "
-        "at this run's): fresh optimizer, scheduler, loss scale and FP8 scaling, iteration 0.",
+        "at this run's): fresh optimizer, scheduler, loss scale and FP8 scaling, iteration 0. "
+        "Switches the level of a run in place too: when checkpoint.dir's own latest is another "
+        "level's (or parameter dtype's), the run fine-tunes from it, after moving that "
+        "directory's checkpoints into checkpoint.dir/<their level>.",
     )
     keep_last: int = _f(2, "Checkpoints kept in checkpoint.dir; 0 keeps all.", ge=0)
     async_save: bool = _f(

@@ -33,11 +33,14 @@ __all__ = ["ResumePlan", "RunPlan", "num_microbatches", "plan_parallel"]
 class ResumePlan:
     """The checkpoint a run starts from: ``path`` (an ``iter_*`` directory), whether only its
     weights are taken (``checkpoint.finetune``), and its ``metadata.json``, already checked to
-    be of this format version and family."""
+    be of this format version and family. ``set_aside``: the subdirectory of
+    ``checkpoint.dir`` its checkpoints move into before a fine-tune loads one of them (the
+    run's own directory held another level's, training/resume_check.py); None otherwise."""
 
     path: Path
     weights_only: bool
     metadata: JsonObject
+    set_aside: str | None = None
 
     @property
     def iteration(self) -> int:

@@ -7,11 +7,22 @@ configs, so keys left at their defaults match explicit ones) and, unless only it
 taken (``checkpoint.finetune``), this run's precision level and parameter dtype
 (``precision.param_dtype=auto`` resumes as the checkpoint trained, whatever the device). The
 parallel layout may differ: loading reshards (checkpoint/reshard.py).
+
+Switching levels in place: when ``checkpoint.dir``'s own latest checkpoint cannot be resumed
+at this run's level or parameter dtype (or holds weights only) and ``checkpoint.finetune`` is
+set, the run fine-tunes from it: the same command that was refused works with
+``checkpoint.finetune=true`` added, as the refusal says. Before loading, the build moves the
+directory's checkpoints (``iter_*`` and ``latest``) into a subdirectory named after their
+level (``checkpoint.dir/te``, a checkpoints directory of its own that ``checkpoint.load``
+reads), so the fine-tune's own checkpoints, which count from iteration 0, neither overwrite
+nor prune them; ``checkpoint.dir/finetuned_from`` names the one fine-tuned from, and a
+restart before the fine-tune's first save starts from it again (``set_aside``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +38,9 @@ from training.config import Config, ConfigError, config_to_dict
 from training.plan import ResumePlan
 
 __all__ = [
+    "FINETUNED_FROM",
     "find_resume",
+    "set_aside",
     "read_resume_metadata",
     "resume_plan",
     "check_compatible",
@@ -43,11 +56,40 @@ FREE_MODEL_FIELDS = frozenset(
 )  # fmt: skip
 
 
+# In checkpoint.dir: "<subdirectory>/<iter_*>", the checkpoint of another level a fine-tune
+# started from after moving it there (``set_aside``).
+FINETUNED_FROM = "finetuned_from"
+
+
+def _set_aside_source(directory: Path) -> tuple[str, Path] | None:
+    """``(subdirectory, checkpoint)`` that ``FINETUNED_FROM`` names, where the checkpoint is
+    now: in the subdirectory, or still in ``directory`` (a move that was interrupted)."""
+    try:
+        archive, _, name = (directory / FINETUNED_FROM).read_text().strip().partition("/")
+    except OSError:
+        return None
+    for path in (directory / archive / name, directory / name):
+        if archive and name.startswith("iter_") and (path / "metadata.json").exists():
+            return archive, path
+    return None
+
+
+def _own_checkpoint(directory: Path) -> Path | None:
+    """The latest checkpoint of ``directory``; without one (a fine-tune of another level
+    that has not saved yet, ``set_aside``), the checkpoint it started from."""
+    latest = latest_checkpoint(directory)
+    if latest is not None:
+        return latest
+    source = _set_aside_source(directory)
+    return source[1] if source else None
+
+
 def find_resume(cfg: Config) -> tuple[Path | None, bool]:
     """``(checkpoint or None, weights only?)``: the run's own latest checkpoint first, else
     ``checkpoint.load`` (a checkpoint, or a checkpoints directory: its latest)."""
+    own_dir = Path(cfg.resolved_checkpoint_dir())
     try:
-        own = latest_checkpoint(cfg.resolved_checkpoint_dir()) if cfg.checkpoint.resume else None
+        own = _own_checkpoint(own_dir) if cfg.checkpoint.resume else None
     except CheckpointError as err:
         raise CheckpointError(f"checkpoint.dir: {err}") from None
     if own is not None:
@@ -79,7 +121,54 @@ def resume_plan(cfg: Config) -> ResumePlan | None:
     path, weights_only = find_resume(cfg)
     if path is None:
         return None
-    return ResumePlan(path, weights_only, read_resume_metadata(path, cfg.family))
+    saved = read_resume_metadata(path, cfg.family)
+    if weights_only or not cfg.checkpoint.finetune or _level_problem(cfg, saved, path) is None:
+        return ResumePlan(path, weights_only, saved)
+    # The run's own checkpoint, of another level or parameter dtype (or weights only), and
+    # checkpoint.finetune set: fine-tune from it, its directory's checkpoints moved aside.
+    own_dir = Path(cfg.resolved_checkpoint_dir())
+    archive = _archive_name(own_dir, saved, path) if path.parent == own_dir else None
+    return ResumePlan(path, True, saved, set_aside=archive)
+
+
+def _archive_name(directory: Path, saved: dict, path: Path) -> str:
+    """Where ``set_aside`` moves ``directory``'s checkpoints: a subdirectory named after
+    their level (``te``, else ``te_2``, ...), or the one an interrupted move was filling."""
+    source = _set_aside_source(directory)
+    if source is not None and source[1] == path:
+        return source[0]
+    level = saved.get("config", {}).get("precision", {}).get("level", "previous")
+    name, n = level, 1
+    while (directory / name).exists():
+        n += 1
+        name = f"{level}_{n}"
+    return name
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def set_aside(directory: str | os.PathLike, archive: str, name: str) -> Path:
+    """Move the checkpoints of checkpoints directory ``directory`` (``iter_*`` and
+    ``latest``, which names ``name``) into its subdirectory ``archive``, a checkpoints
+    directory of its own; returns where checkpoint ``name`` now is. ``FINETUNED_FROM`` names
+    it first, and ``latest`` goes before ``name`` moves, so a run restarted at any moment
+    finds it (``_own_checkpoint``). Rank 0, before any rank loads (training/setup.py)."""
+    root = Path(directory)
+    target = root / archive
+    target.mkdir(exist_ok=True)
+    _replace_text(root / FINETUNED_FROM, f"{archive}/{name}\n")
+    for path in sorted(root.glob("iter_*")):
+        if path.name != name and not (target / path.name).exists():
+            os.replace(path, target / path.name)
+    _replace_text(target / "latest", f"{name}\n")
+    (root / "latest").unlink(missing_ok=True)
+    if (root / name).exists():
+        os.replace(root / name, target / name)
+    return target / name
 
 
 def check_compatible(
@@ -91,10 +180,7 @@ def check_compatible(
     pre-flight before the default corpus is built): the model is then compared when the run
     loads."""
     if saved.get("weights_only") and not weights_only:
-        raise ConfigError(
-            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
-            "start from it with checkpoint.finetune=true"
-        )
+        raise ConfigError(_level_problem(cfg, saved, path))
     try:
         old = family.config_from_checkpoint(saved)
     except NotImplementedError:  # a family without it: compare the YAML sections
@@ -111,10 +197,23 @@ def check_compatible(
             raise ConfigError(f"config: model.{key}={value!r} but checkpoint {path} has {before!r}")
     if weights_only:
         return
-    saved_precision = saved["config"]["precision"]
-    old_level = saved_precision["level"]
+    problem = _level_problem(cfg, saved, path)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _level_problem(cfg: Config, saved: dict, path) -> str | None:
+    """Why checkpoint ``path`` (metadata ``saved``) cannot be continued by ``cfg`` with its
+    optimizer state, in one line ending with what to set (``checkpoint.finetune=true``
+    works as printed, from ``checkpoint.load`` or the run's own directory); None if it can."""
+    if saved.get("weights_only"):
+        return (
+            f"config: checkpoint {path} holds model weights only ({saved['weights_only']}): "
+            "start from it with checkpoint.finetune=true"
+        )
+    old_level = saved["config"]["precision"]["level"]
     if old_level != cfg.precision.level:
-        raise ConfigError(
+        return (
             f"config: precision.level={cfg.precision.level} but checkpoint {path} has "
             f"{old_level}; take only its weights with checkpoint.finetune=true (the optimizer "
             "state of one level does not convert to another's)"
@@ -123,15 +222,16 @@ def check_compatible(
     # the one it trained with.
     asked = cfg.precision.param_dtype
     if asked == "auto":
-        return
+        return None
     trained = saved_param_dtype(saved)
     if get_recipe(old_level, trained) != get_recipe(old_level, asked):
-        raise ConfigError(
+        return (
             f"config: precision.param_dtype={asked} but checkpoint {path} was trained with "
             f"{trained} parameters: set precision.param_dtype={trained} (or auto, which resumes "
             "as the checkpoint trained), or take only its weights with checkpoint.finetune=true "
             "(FP32 masters exist for BF16 parameters only)"
         )
+    return None
 
 
 def saved_param_dtype(saved: dict) -> str:

@@ -7,6 +7,7 @@ resume. Every "not implemented yet" and every impossible layout fails here, befo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from training.compile import compile_enabled, compile_layers
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
 from training.plan import ResumePlan, RunPlan, plan_parallel
-from training.resume_check import resumed_param_dtype
+from training.resume_check import resumed_param_dtype, set_aside
 
 __all__ = [
     "RunState",
@@ -205,6 +206,30 @@ def _build_datasets(fam, cfg: Config, data):
     return train_ds, valid_ds
 
 
+def _set_aside(cfg: Config, plan: RunPlan, rank: int) -> ResumePlan:
+    """A fine-tune from the run's own directory, which holds another level's checkpoints:
+    rank 0 moves them into their subdirectory once every rank is past its pre-flight (which
+    read them where they were), and every rank loads from there
+    (training/resume_check.py ``set_aside``). One line says so."""
+    resume = plan.resume
+    if dist.is_initialized():
+        dist.barrier()
+    moved_to = Path(cfg.resolved_checkpoint_dir()) / resume.set_aside
+    if rank == 0:
+        set_aside(cfg.resolved_checkpoint_dir(), resume.set_aside, resume.path.name)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == plan.logging_rank:
+        level = resume.metadata["config"]["precision"]["level"]
+        print(
+            f"> checkpoint.finetune: checkpoint.dir held {level} checkpoints; moved them to "
+            f"{moved_to} (checkpoint.load reads it) to fine-tune at {cfg.precision.level} from "
+            f"its {resume.path.name}",
+            flush=True,
+        )
+    return replace(resume, path=moved_to / resume.path.name, set_aside=None)
+
+
 def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = False) -> RunState:
     """Everything but loading the checkpoint, for the model family of ``cfg`` (its ``model``
     section's), as ``plan`` (the pre-flight's) says; without one, the layout is checked here
@@ -232,6 +257,8 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
         raise ConfigError(
             f"config: planned for {plan.world_size} ranks, but WORLD_SIZE={topo.world_size}"
         )
+    if plan.resume is not None and plan.resume.set_aside and not planning:
+        plan = replace(plan, resume=_set_aside(cfg, plan, topo.rank))
     resume = plan.resume
     param_dtype, param_dtype_source = _param_dtype(cfg, resume, runs_on)
     recipe = cfg.precision.recipe(param_dtype)  # with its FP8 scaling
