@@ -316,9 +316,20 @@ def prepare_text_data(data_cfg, seed: int, rank: int, control_symbols: Sequence[
     return _prefix_data(data_cfg)
 
 
+def _tokenizer_model(data_cfg):
+    """``data.tokenizer_model``; unset only for a fine-tune whose checkpoint brought none
+    (training/finetune_defaults.py), which is said here, naming the key."""
+    if data_cfg.tokenizer_model is None:
+        raise ValueError(
+            "data.tokenizer_model: not set, and checkpoint.load carries no tokenizer of its own "
+            "(a converted Hugging Face model's tokenizer/ folder): set it"
+        )
+    return data_cfg.tokenizer_model
+
+
 def _prefix_data(data_cfg) -> PreparedData:
     """``prepare_data_from_prefix`` of the ``data`` section, each error keyed by its culprit."""
-    model, kind = data_cfg.tokenizer_model, data_cfg.tokenizer_type
+    model, kind = _tokenizer_model(data_cfg), data_cfg.tokenizer_type
     try:
         tokenizer = _usable_tokenizer(kind, model)
     except (FileNotFoundError, ValueError) as err:
@@ -351,8 +362,9 @@ def planned_vocabulary(data_cfg) -> tuple[int, int]:
     train, ``data.vocab_size`` pieces with ``<pad>`` at id 3 (``train_sentencepiece``)."""
     if data_cfg.corpus == "stdlib":
         return data_cfg.vocab_size, 3
+    model = _tokenizer_model(data_cfg)
     try:
-        tokenizer = load_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model)
+        tokenizer = load_tokenizer(data_cfg.tokenizer_type, model)
     except (OSError, ValueError) as err:
         raise ValueError(f"data.tokenizer_model: {err}") from None
     return tokenizer.vocab_size, tokenizer.pad

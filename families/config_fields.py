@@ -86,6 +86,10 @@ class Section:
         """Rules that need the ``parallel`` section too (a model section's split rules);
         ``Config`` calls it. Raise ``ConfigError`` naming the keys."""
 
+    def check_config(self, cfg) -> None:
+        """Rules that need other sections of the run's config ``cfg`` (a data section's);
+        ``Config`` calls it. Raise ``ConfigError`` naming the keys."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = _check_field(self, f, getattr(self, f.name))

@@ -36,7 +36,8 @@ class TextDataSection(Section):
         None,
         "Tokenizer of the prefix data, required for prefix: a SentencePiece .model file, or "
         "for huggingface a tokenizer.json or the directory holding it (with its "
-        "tokenizer_config.json).",
+        "tokenizer_config.json). A fine-tune (checkpoint.finetune with checkpoint.load) of a "
+        "checkpoint that carries its tokenizer (a converted Hugging Face model) defaults to it.",
     )
     tokenizer_type: Literal["sentencepiece", "huggingface"] = doc_field(
         "sentencepiece",
@@ -59,14 +60,23 @@ class TextDataSection(Section):
     def _check(self) -> None:
         self.split_weights()  # raises on a malformed split
         if self.corpus == "prefix":
-            for name in ("data_prefix", "tokenizer_model"):
-                if getattr(self, name) is None:
-                    raise self._err(f"data.{name} is required when data.corpus is 'prefix'")
+            if self.data_prefix is None:
+                raise self._err("data.data_prefix is required when data.corpus is 'prefix'")
         elif self.tokenizer_type != "sentencepiece":
             # The stdlib corpus is tokenised by the SentencePiece model trained on it.
             raise self._err(
                 f"data.tokenizer_type {self.tokenizer_type!r} needs data.corpus 'prefix' (the "
                 "stdlib corpus trains its own SentencePiece tokenizer)"
+            )
+
+    def check_config(self, cfg) -> None:
+        # A fine-tune's tokenizer defaults to its checkpoint's (training/finetune_defaults.py,
+        # which has filled it in when the checkpoint has one; the pre-flight names a missing one).
+        finetune = cfg.checkpoint.finetune and cfg.checkpoint.load
+        if self.corpus == "prefix" and self.tokenizer_model is None and not finetune:
+            raise self._err(
+                "data.tokenizer_model is required when data.corpus is 'prefix' (a fine-tune, "
+                "checkpoint.finetune=true, takes checkpoint.load's tokenizer when it has one)"
             )
 
     def check_split(

@@ -407,9 +407,10 @@ def test_roberta_trains_on_hf_vocabulary(hf_data, tmp_path):
     assert structure["vocab_size"] == VOCAB and structure["padded_vocab_size"] == 768
 
 
-def test_converted_hf_model_finetunes_on_its_own_vocabulary(hf_dirs, hf_data, tmp_path, capsys):
-    # The whole path: a Hugging Face GPT-2 directory (model + tokenizer) converted to a native
-    # checkpoint, fine-tuned on text tokenized with that directory's tokenizer.
+def _converted_gpt2(hf_dirs, tmp_path) -> tuple[Path, Path]:
+    """A tiny random GPT-2 saved by transformers beside its tokenizer, converted to a native
+    checkpoint (tools/convert_checkpoint.py): ``(Hugging Face directory, checkpoints
+    directory)``."""
     import torch
     import transformers
 
@@ -425,6 +426,13 @@ def test_converted_hf_model_finetunes_on_its_own_vocabulary(hf_dirs, hf_data, tm
     native = tmp_path / "native"
     argv = ["--input", str(hf), "--output", str(native), "--format", "native"]
     assert convert_main([*argv, "--tensor", "1", "--pipeline", "1"]) == 0
+    return hf, native
+
+
+def test_converted_hf_model_finetunes_on_its_own_vocabulary(hf_dirs, hf_data, tmp_path, capsys):
+    # The whole path: a Hugging Face GPT-2 directory (model + tokenizer) converted to a native
+    # checkpoint, fine-tuned on text tokenized with that directory's tokenizer.
+    hf, native = _converted_gpt2(hf_dirs, tmp_path)
     meta = json.loads(next(native.rglob("metadata.json")).read_text())
     model_keys = {
         f"model.{k}": "null" if v is None else v for k, v in meta["config"]["model"].items()
@@ -436,3 +444,55 @@ def test_converted_hf_model_finetunes_on_its_own_vocabulary(hf_dirs, hf_data, tm
     )  # fmt: skip
     assert structure["vocab_size"] == VOCAB and structure["padded_vocab_size"] == 768
     assert f"loaded the weights of {native}" in capsys.readouterr().out
+
+
+def test_hf_finetune_takes_model_and_tokenizer_from_the_checkpoint(
+    hf_dirs, hf_data, tmp_path, capsys
+):
+    """configs/gpt_finetune_hf.yaml with only checkpoint.load and the data set: the model's
+    shape and the tokenizer come from the converted checkpoint, as from_pretrained takes
+    them; keys set that would build another model are all named in one line."""
+    from training.loop import pretrain
+
+    _, native = _converted_gpt2(hf_dirs, tmp_path)
+    checkpoint = native / (native / "latest").read_text().strip()
+    config = str(REPO / "configs/gpt_finetune_hf.yaml")
+    data = [f"data.data_prefix={hf_data['gpt2'].data_prefix}", f"checkpoint.load={native}"]
+    short = {
+        "training.train_iters": 3, "training.micro_batch_size": 2,
+        "training.global_batch_size": 4, "training.eval_interval": 3,
+        "training.eval_iters": 1, "optimizer.lr_warmup_iters": 1,
+        "logging.dir": tmp_path / "run", "data.cache_dir": tmp_path / "cache",
+        "logging.tensorboard": "false", "logging.peak_tflops": 1.0,
+        "precision.fp8_gemm_backend": "emulated", "precision.param_dtype": "fp32",
+    }  # fmt: skip
+    cfg = load_config(config, [*data, *(f"{k}={v}" for k, v in short.items())])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (2, 64, 2)
+    assert (m.max_positions(), m.activation) == (64, "gelu")
+    assert cfg.data.tokenizer_type == "huggingface"
+    assert cfg.data.tokenizer_model == str(checkpoint / "tokenizer")
+    capsys.readouterr()
+    summary = pretrain(cfg)
+    assert summary["iteration"] == 3 and math.isfinite(summary["lm loss"])
+    assert f"loaded the weights of {checkpoint}: fine-tuning" in capsys.readouterr().out
+
+    # Keys that shape no tensor, or equal the checkpoint's, may be set.
+    free = ["model.seq_length=32", "model.hidden_dropout=0.1", "model.num_layers=2"]
+    assert load_config(config, [*data, *free]).model.seq_length == 32
+    # gpt_tiny.yaml's model is another GPT: every key that differs, in one line.
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            str(REPO / "configs/gpt_tiny.yaml"),
+            [*data, "data.corpus=prefix", "checkpoint.finetune=true"],
+        )
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"config: checkpoint.finetune takes the model from checkpoint {checkpoint}, but 3 key(s)"
+    ), message
+    for key in ("num_layers=4 (checkpoint: 2)", "hidden_size=256 (checkpoint: 64)",
+                "num_attention_heads=4 (checkpoint: 2)"):  # fmt: skip
+        assert f"model.{key}" in message, message
+    # The stdlib corpus trains its own tokenizer, whose ids the model does not know.
+    with pytest.raises(ConfigError, match=r"brings its own tokenizer .*data\.corpus=prefix"):
+        load_config(config, [*data, "data.corpus=stdlib"])

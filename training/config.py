@@ -182,7 +182,8 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
 def load_config(path: str, overrides: Iterable[str] = (), family: str | None = None) -> Config:
     """Read a YAML config for model ``family`` (default: the default family; its ``model``
     section is the family's), apply overrides, validate; every problem is a one-line
-    ConfigError."""
+    ConfigError. A fine-tune (``checkpoint.finetune`` with ``checkpoint.load``) takes the
+    model and tokenizer keys left unset from its checkpoint (training/finetune_defaults.py)."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -197,7 +198,14 @@ def load_config(path: str, overrides: Iterable[str] = (), family: str | None = N
             f"config: {path!r} must hold a mapping of sections, got {show_value(raw)}"
         )
     sections = sections_for(family)
-    return config_from_dict(_merge(_check_keys(raw, sections), overrides, sections), family)
+    merged = _merge(_check_keys(raw, sections), overrides, sections)
+    if merged.get("checkpoint", {}).get("finetune") is True:
+        # A fine-tune's model and tokenizer default to its checkpoint's, as from_pretrained
+        # does: only the keys set here are known to be the user's.
+        from training.finetune_defaults import finetune_defaults
+
+        merged = finetune_defaults(merged, family)
+    return config_from_dict(merged, family)
 
 
 def _type_name(cls: type, name: str) -> str:
@@ -273,7 +281,11 @@ _RULES = [
     " multiples of 128.",
     "- `precision.fp8_grad_format: e5m2` is refused at `precision.fp8_granularity: block`"
     " (cuBLASLt's block-scaled GEMM reads E4M3 operands; null picks e4m3 there).",
-    "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model`.",
+    "- `data.corpus: prefix` needs `data.data_prefix` and `data.tokenizer_model` (which a"
+    " fine-tune, `checkpoint.finetune` with `checkpoint.load`, takes from a checkpoint that"
+    " carries its tokenizer).",
+    "- A fine-tune's `model` keys left unset are `checkpoint.load`'s; one set that builds"
+    " another model is refused.",
     "",
     "Values the code resolves from nulls: `cfg.model.query_groups()`,"
     " `cfg.model.kv_channels_or_default()`, `cfg.model.ffn_size()`, `cfg.model.max_positions()`,"

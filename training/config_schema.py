@@ -339,6 +339,9 @@ class CheckpointConfig(_Section):
         False,
         "Take only the model weights from checkpoint.load (any level: dequantized, then stored "
         "at this run's): fresh optimizer, scheduler, loss scale and FP8 scaling, iteration 0. "
+        "As from_pretrained does, the model keys left unset come from that checkpoint (keys set "
+        "that build another model are refused, all named in one line), and so does the "
+        "tokenizer of a converted Hugging Face model (configs/gpt_finetune_hf.yaml). "
         "Switches the level of a run in place too: when checkpoint.dir's own latest is another "
         "level's (or parameter dtype's), the run fine-tunes from it, after moving that "
         "directory's checkpoints into checkpoint.dir/<their level>.",
@@ -373,6 +376,7 @@ class Config:
             if not isinstance(getattr(self, f.name), sections[f.name]):
                 raise ConfigError(f"config: {f.name} must be a {sections[f.name].__name__}")
         self.model.check_parallel(self.parallel)  # the family's split rules
+        self.data.check_config(self)
         if self.precision.fp8_granularity == "block":
             from fp8train.blockwise import BLOCK
 

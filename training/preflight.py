@@ -68,8 +68,9 @@ def _check_backend(cfg: Config) -> None:
         )
 
 
-def _check_checkpoint(cfg: Config, family, model_config) -> ResumePlan | None:
-    resume = resume_plan(cfg)
+def _check_checkpoint(
+    cfg: Config, family, model_config, resume: ResumePlan | None
+) -> ResumePlan | None:
     if resume is None:
         return None
     from checkpoint.reshard import SourceCheckpoint  # reads file headers only
@@ -94,13 +95,16 @@ def preflight(cfg: Config, world_size: int | None) -> RunPlan | None:
     _check_backend(cfg)
     _check_directories(cfg)
     family = get_family(cfg.family)
+    # Found (and its metadata read) before the data: a fine-tune's tokenizer may come from
+    # it, so a checkpoint.load that cannot be read is the problem to name first.
+    resume = resume_plan(cfg)
     try:
         model_config = family.preflight(cfg)
     except ValueError as err:  # the family's messages start with the config key
         raise ConfigError(f"config: {err}") from None
     except OSError as err:  # e.g. a data file it may not read: the message names the file
         raise ConfigError(f"config: data: {err}") from None
-    resume = _check_checkpoint(cfg, family, model_config)
+    resume = _check_checkpoint(cfg, family, model_config, resume)
     return None if plan is None else replace(plan, resume=resume)
 
 

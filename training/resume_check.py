@@ -35,6 +35,7 @@ from checkpoint.store import (
 )
 from fp8train.precision import get_recipe
 from training.config import Config, ConfigError, config_to_dict
+from training.finetune_defaults import FREE_MODEL_FIELDS
 from training.plan import ResumePlan
 
 __all__ = [
@@ -48,12 +49,6 @@ __all__ = [
     "saved_param_dtype",
     "FREE_MODEL_FIELDS",
 ]
-
-# Model fields that shape no tensor: a resumed or fine-tuned run may change them.
-FREE_MODEL_FIELDS = frozenset(
-    {"vocab_size", "hidden_dropout", "attention_dropout", "recompute", "init_method_std",
-     "seq_length"}
-)  # fmt: skip
 
 
 # In checkpoint.dir: "<subdirectory>/<iter_*>", the checkpoint of another level a fine-tune
