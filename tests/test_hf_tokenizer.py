@@ -488,11 +488,22 @@ def test_hf_finetune_takes_model_and_tokenizer_from_the_checkpoint(
         )
     message = str(err.value)
     assert "\n" not in message and message.startswith(
-        f"config: checkpoint.finetune takes the model from checkpoint {checkpoint}, but 3 key(s)"
+        f"config: checkpoint.finetune takes the model from checkpoint {checkpoint}, but 4 key(s)"
     ), message
+    # seq_length shapes no tensor, but 256 does not fit the checkpoint's 64 positions.
     for key in ("num_layers=4 (checkpoint: 2)", "hidden_size=256 (checkpoint: 64)",
-                "num_attention_heads=4 (checkpoint: 2)"):  # fmt: skip
+                "num_attention_heads=4 (checkpoint: 2)",
+                "seq_length=256 (checkpoint: 64)"):  # fmt: skip
         assert f"model.{key}" in message, message
+    # The hint's overrides, as printed, make the same command work.
+    hint = message.rsplit("override them with the checkpoint's: ", 1)[1].split()
+    assert hint == ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
+                    "model.seq_length=64"]  # fmt: skip
+    tiny = load_config(
+        str(REPO / "configs/gpt_tiny.yaml"),
+        [*data, "data.corpus=prefix", "checkpoint.finetune=true", *hint],
+    )
+    assert (tiny.model.num_layers, tiny.model.max_positions()) == (2, 64)
     # The stdlib corpus trains its own tokenizer, whose ids the model does not know.
     with pytest.raises(ConfigError, match=r"brings its own tokenizer .*data\.corpus=prefix"):
         load_config(config, [*data, "data.corpus=stdlib"])

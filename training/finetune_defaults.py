@@ -61,9 +61,9 @@ def _built(family, saved: dict, model: dict) -> Any:
 
 
 def _conflicts(family, saved: dict, explicit: dict) -> list[str]:
-    """``model.KEY=VALUE (checkpoint: VALUE)`` for every key set in ``explicit`` that builds
-    another model than checkpoint ``saved``'s: one that changes a field shaping a tensor
-    (a sequence length does when it sets the position table)."""
+    """Every key set in ``explicit`` that builds another model than checkpoint ``saved``'s:
+    one that changes a field shaping a tensor (a sequence length does when it sets the
+    position table), or one that no model with the checkpoint's other keys takes."""
     theirs = saved["config"]["model"]
     reference = _built(family, saved, theirs)
     out = []
@@ -74,16 +74,34 @@ def _conflicts(family, saved: dict, explicit: dict) -> list[str]:
             differs = key not in FREE_MODEL_FIELDS
         else:
             mine = _built(family, saved, {**theirs, key: value})
-            if mine is None:  # not a valid value: validating the config names it
-                continue
-            differs = any(
-                getattr(mine, f.name) != getattr(reference, f.name)
-                for f in dataclasses.fields(reference)
-                if f.name not in FREE_MODEL_FIELDS
-            )
+            if mine is None:  # no model with the checkpoint's other keys (seq_length too long)
+                differs = _valid_alone(family.model_section, key, value)
+            else:
+                differs = any(
+                    getattr(mine, f.name) != getattr(reference, f.name)
+                    for f in dataclasses.fields(reference)
+                    if f.name not in FREE_MODEL_FIELDS
+                )
         if differs:
-            out.append(f"model.{key}={value!r} (checkpoint: {theirs.get(key)!r})")
+            out.append(key)
     return out
+
+
+def _valid_alone(section: type, key: str, value: Any) -> bool:
+    """Whether ``key=value`` is valid with the other keys at their defaults: if not, it is
+    no conflict with the checkpoint but a bad value, which validating the config names."""
+    try:
+        section(**{key: value})
+    except (ConfigError, TypeError):
+        return False
+    return True
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as an override's YAML."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _tokenizer_defaults(path: Path, merged: dict) -> None:
@@ -130,10 +148,15 @@ def finetune_defaults(merged: dict[str, dict], family: str | None) -> dict[str, 
     explicit = merged.get("model", {})
     conflicts = _conflicts(get_family(fam_section.FAMILY), saved, explicit)
     if conflicts:
+        theirs_now = " ".join(f"model.{k}={_yaml(theirs.get(k))}" for k in conflicts)
+        ours = ", ".join(
+            f"model.{k}={_yaml(explicit[k])} (checkpoint: {_yaml(theirs.get(k))})"
+            for k in conflicts
+        )
         raise ConfigError(
             f"config: checkpoint.finetune takes the model from checkpoint {path}, but "
-            f"{len(conflicts)} key(s) set here build another: {', '.join(conflicts)}; leave "
-            "them unset (or set them to the checkpoint's values)"
+            f"{len(conflicts)} key(s) set here build another model: {ours}; leave them out of the "
+            f"config file, or override them with the checkpoint's: {theirs_now}"
         )
     known = {f.name for f in dataclasses.fields(fam_section)}
     merged["model"] = {**{k: v for k, v in theirs.items() if k in known}, **explicit}
