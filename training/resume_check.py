@@ -129,10 +129,10 @@ def resume_plan(cfg: Config) -> ResumePlan | None:
 def _archive_name(directory: Path, saved: dict, path: Path) -> str:
     """Where ``set_aside`` moves ``directory``'s checkpoints: a subdirectory named after
     their level (``te``, else ``te_2``, ...), or the one an interrupted move was filling."""
-    source = _set_aside_source(directory)
-    if source is not None and source[1] == path:
-        return source[0]
     level = saved.get("config", {}).get("precision", {}).get("level", "previous")
+    source = _set_aside_source(directory)
+    if source is not None and source[1] == path and source[0].split("_")[0] == level:
+        return source[0]
     name, n = level, 1
     while (directory / name).exists():
         n += 1
