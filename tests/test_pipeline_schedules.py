@@ -33,6 +33,7 @@ from parallel.pipeline.schedules import (
     Op,
     check_schedule,
     schedule_ops,
+    send_releases,
     simulate,
     theoretical_bubble,
 )
@@ -236,6 +237,104 @@ def test_messages_are_received_in_the_order_they_are_sent(name):
         assert sent == received, (p, m, v)
 
 
+def _plans(name: str, p: int, m: int, v: int, forward_only: bool = False) -> list[list[Op]]:
+    plans = [schedule_ops(name, p, r, m, v) for r in range(p)]
+    return [[op for op in plan if op.kind == "F"] for plan in plans] if forward_only else plans
+
+
+def _sends(plans: list[list[Op]], p: int, v: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, op index) of each send -> (rank, op index) of the op receiving it: the engine's
+    rules, worked out from global chunk positions (independently of ``schedules._producer``)."""
+    where = {}
+    for r, plan in enumerate(plans):
+        for i, op in enumerate(plan):
+            where[(op.kind, op.chunk * p + r, op.micro)] = (r, i)
+    sends = {}
+    for r, plan in enumerate(plans):
+        for i, op in enumerate(plan):
+            g = op.chunk * p + r
+            to = ("F", g + 1, op.micro) if op.kind == "F" else ("B", g - 1, op.micro)
+            if to in where:
+                sends[(r, i)] = where[to]
+    return sends
+
+
+def _happens_before(plans: list[list[Op]], sends) -> dict[tuple[int, int], set]:
+    """For each op, every op (any rank) whose receive has completed before its own receive
+    completes: program order plus messages, closed transitively."""
+    into: dict[tuple[int, int], list] = {}
+    for src, dst in sends.items():
+        into.setdefault(dst, []).append(src)
+    before: dict[tuple[int, int], set] = {}
+
+    def visit(node):
+        if node not in before:
+            r, i = node
+            got = {node}
+            preds = ([(r, i - 1)] if i else []) + into.get(node, [])
+            for pred in preds:
+                got |= visit(pred)
+            before[node] = got
+        return before[node]
+
+    for r, plan in enumerate(plans):
+        for i in range(len(plan)):
+            visit((r, i))
+    return before
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("forward_only", [False, True], ids=["training", "forward_only"])
+def test_sends_are_released_at_the_first_receive_that_proves_them_delivered(name, forward_only):
+    # Waiting on a released send returns at once (its receiver has it), so the engine's
+    # waits cannot deadlock; and no later than needed: one op earlier proves nothing.
+    for _, p, m, v in (lay for lay in LAYOUTS if lay[0] == name and lay[1] > 1 and lay[2] <= 8):
+        plans = _plans(name, p, m, v, forward_only)
+        sends = _sends(plans, p, v)
+        before = _happens_before(plans, sends)
+        releases = send_releases(plans, p, v)
+        for r, plan in enumerate(plans):
+            released = [s for i in range(len(plan)) for s in releases[r][i]]
+            assert len(released) == len(set(released)), (name, p, m, v, r)
+            for i in range(len(plan)):
+                for s in releases[r][i]:
+                    assert s < i and (r, s) in sends, (name, p, m, v, r, i, s)
+                    assert sends[(r, s)] in before[(r, i)], (name, p, m, v, r, i, s)
+                    assert sends[(r, s)] not in before[(r, i - 1)], (name, p, m, v, r, i, s)
+            for s in set(i for rr, i in sends if rr == r) - set(released):
+                assert sends[(r, s)] not in before[(r, len(plan) - 1)], (name, p, m, v, r, s)
+
+
+def _most_in_flight(name: str, p: int, m: int, v: int) -> list[int]:
+    """Per rank: the most sends posted and not yet released at once (the engine's count)."""
+    plans = _plans(name, p, m, v)
+    sends, releases = _sends(plans, p, v), send_releases(plans, p, v)
+    out = []
+    for r, plan in enumerate(plans):
+        live = worst = 0
+        for i in range(len(plan)):
+            live += ((r, i) in sends) - len(releases[r][i])
+            worst = max(worst, live)
+        out.append(worst)
+    return out
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
+def test_1f1b_sends_in_flight_do_not_grow_with_the_microbatches(p, v):
+    # Each micro-batch used to leave its sends' payloads until the step ended.
+    small = _most_in_flight("1f1b", p, 2 * p, v)
+    assert _most_in_flight("1f1b", p, 16 * p, v) == small
+    assert max(small) <= 2 * p * v
+    if v == 1:  # a forward's send is let go by that micro-batch's backward (with its output)
+        plans = _plans("1f1b", p, 4 * p, 1)
+        releases = send_releases(plans, p)
+        for r in range(p - 1):
+            freed = {plans[r][s]: i for i in range(len(plans[r])) for s in releases[r][i]}
+            for i, op in enumerate(plans[r]):
+                if op.kind == "B":
+                    assert freed[Op("F", 0, op.micro)] <= i, (p, r, op)
+
+
 @pytest.mark.parametrize("name,p,m,v", LAYOUTS, ids=lambda x: str(x))
 def test_simulate_completes_and_matches_the_closed_form_bubble(name, p, m, v):
     result = simulate(name, p, m, v, t_forward=1.0, t_backward=2.0)
@@ -363,7 +462,9 @@ def _engine_worker(rank: int, world: int, init_file: str, out_dir: str, configs)
             return y
 
         engine = PipelineEngine(layout, groups, (BATCH, HIDDEN), torch.float64, torch.device("cpu"))
-        engine.run(schedule_ops(name, world, rank, m, v), forward)
+        plans = _plans(name, world, m, v)
+        engine.run(plans[rank], forward, releases=send_releases(plans, world, v)[rank])
+        results[f"{name}/m={m}/v={v}/pending/rank{rank}"] = engine.peak_pending
         ref_grads, ref_losses = _reference(chunks, m)
         key = f"{name}/m={m}/v={v}"
         for c, w in enumerate(weights):
@@ -381,8 +482,9 @@ def _engine_worker(rank: int, world: int, init_file: str, out_dir: str, configs)
         # Forward only (evaluation): no graph, no backward ops, same losses.
         losses.clear()
         with torch.no_grad():
-            fwd_ops = [op for op in schedule_ops(name, world, rank, m, v) if op.kind == "F"]
-            engine.run(fwd_ops, forward, backward=False)
+            plans = _plans(name, world, m, v, forward_only=True)
+            releases = send_releases(plans, world, v)[rank]
+            engine.run(plans[rank], forward, backward=False, releases=releases)
         if layout.has_head():
             got = [losses.get(i) for i in range(m)]
             results[f"{key}/eval_losses"] = {"equal": got == ref_losses, "got": got}
@@ -398,6 +500,7 @@ ENGINE_CASES = {
         for name in SCHEDULES
         for m, v in dict.fromkeys([(1, 1), (p - 1, 1), (p, 1), (p + 1, 1), (p, 2), (2 * p, 2)])
     ]
+    + [("1f1b", 4 * p, 1), ("1f1b", 4 * p, 2)]  # sends in flight do not grow with m
     for p in (2, 4)
 }
 
@@ -428,6 +531,22 @@ def test_engine_gradients_are_bitwise_those_of_one_process(engine_results):
         for g in range(world * v):
             r = results[f"{name}/m={m}/v={v}/W{g}"]
             assert r["has_grad"] and r["equal"], (name, m, v, g, r)
+
+
+def test_engine_lets_sends_go_as_the_step_goes(engine_results):
+    # The engine's count of sends in flight is the schedule's (``send_releases``), and with
+    # 1F1B it does not grow from 2p (p + 1 without interleaving) to 4p micro-batches.
+    world, results = engine_results
+    for name, m, v in ENGINE_CASES[world]:
+        got = [results[f"{name}/m={m}/v={v}/pending/rank{r}"] for r in range(world)]
+        assert got == _most_in_flight(name, world, m, v), (name, m, v)
+    for v, fewer in ((1, world + 1), (2, 2 * world)):
+        for r in range(world):
+
+            def key(m, v=v, r=r):
+                return f"1f1b/m={m}/v={v}/pending/rank{r}"
+
+            assert results[key(4 * world)] == results[key(fewer)], (v, r)
 
 
 def test_engine_losses_match_in_training_and_forward_only(engine_results):

@@ -13,12 +13,13 @@ micro-batch's forward and after its backward, whatever the schedule.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from fp8train.linear import Linear
 from fp8train.scaling_table import ScalingTable
-from parallel.pipeline import schedule_ops
+from parallel.pipeline import Op, schedule_ops, send_releases
 
 __all__ = ["forward_backward", "forward_only", "new_totals", "track_health"]
 
@@ -55,6 +56,18 @@ def _loss_sums(state, output: torch.Tensor, batch: dict, totals: torch.Tensor) -
 def new_totals(state) -> torch.Tensor:
     """``[sum, count]`` per metric of the run, in ``state.metrics`` order."""
     return torch.zeros(2 * len(state.metrics), device=state.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _pipeline_ops(
+    name: str, stages: int, rank: int, n_micro: int, virtual: int, forward_only: bool = False
+) -> tuple[list[Op], list[tuple]]:
+    """This rank's ops of a step and when it may let go of each send (``send_releases``,
+    from every rank's op list); the same every step, so worked out once."""
+    plans = [schedule_ops(name, stages, r, n_micro, virtual) for r in range(stages)]
+    if forward_only:
+        plans = [[op for op in plan if op.kind == "F"] for plan in plans]
+    return plans[rank], send_releases(plans, stages, virtual)[rank]
 
 
 def _fp8_linears(state) -> list[Linear]:
@@ -124,14 +137,14 @@ def forward_backward(state, batches: list[dict], health: bool = False) -> torch.
             table.fold()
             return loss_of(out, batch) if layout.has_head(chunk) else out
 
-        ops = schedule_ops(
+        ops, releases = _pipeline_ops(
             state.cfg.parallel.pipeline_schedule,
             layout.stages,
             layout.rank,
             n_micro,
             layout.virtual,
         )
-        state.engine.run(ops, forward, after_backward=table.fold)
+        state.engine.run(ops, forward, after_backward=table.fold, releases=releases)
         return totals
     finally:
         track_health(state, False)
@@ -159,8 +172,8 @@ def forward_only(state, batches: list[dict]) -> torch.Tensor:
             _loss_sums(state, out, batch, totals)
         return out
 
-    ops = schedule_ops(
-        "all_forward_all_backward", layout.stages, layout.rank, len(batches), layout.virtual
+    ops, releases = _pipeline_ops(
+        "all_forward_all_backward", layout.stages, layout.rank, len(batches), layout.virtual, True
     )
-    state.engine.run([op for op in ops if op.kind == "F"], forward, backward=False)
+    state.engine.run(ops, forward, backward=False, releases=releases)
     return totals

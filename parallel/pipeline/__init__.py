@@ -8,6 +8,7 @@ from parallel.pipeline.schedules import (
     Op,
     check_schedule,
     schedule_ops,
+    send_releases,
     simulate,
     theoretical_bubble,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "Op",
     "check_schedule",
     "schedule_ops",
+    "send_releases",
     "simulate",
     "theoretical_bubble",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "Op",
     "check_schedule",
     "schedule_ops",
+    "send_releases",
     "simulate",
     "theoretical_bubble",
 ]
@@ -114,6 +115,57 @@ def _producer(op: Op, rank: int, stages: int, virtual: int):
     if rank < stages - 1:
         return rank + 1, Op("B", op.chunk, op.micro)
     return 0, Op("B", op.chunk + 1, op.micro)
+
+
+def send_releases(plans: list[list[Op]], stages: int, virtual: int = 1) -> list[list[tuple]]:
+    """When each rank may let go of the sends it posts without waiting on anyone.
+
+    ``plans``: every rank's op list (training or forward-only). Returns, for rank ``r`` and its
+    op ``i``, the indices of ``r``'s earlier ops whose sends are known to be received once op
+    ``i``'s own receive has completed: the message it takes left its sender after that sender
+    (or a rank it heard from, and so on) had received ours. Vector clocks over the op lists:
+    a clock entry is how many of a rank's ops have their receives done. Waiting on such a send
+    returns at once, so no wait can deadlock. A send no receive proves delivered (1F1B's
+    cool-down, every backward send of ``all_forward_all_backward``) stays for the step's end.
+    """
+    index = [{op: i for i, op in enumerate(plan)} for plan in plans]
+    source: list[list[tuple[int, int] | None]] = [[None] * len(plan) for plan in plans]
+    consumer: dict[tuple[int, int], tuple[int, int]] = {}
+    for r, plan in enumerate(plans):
+        for i, op in enumerate(plan):
+            need = _producer(op, r, stages, virtual)
+            if need is not None:
+                src = (need[0], index[need[0]][need[1]])
+                source[r][i] = src
+                consumer[src] = (r, i)
+    clocks = [[0] * stages for _ in plans]
+    sent: dict[tuple[int, int], list[int]] = {}  # a send's clock: what its sender knew
+    open_sends: list[list[tuple[int, int, int]]] = [[] for _ in plans]  # (op, to rank, its op)
+    releases: list[list[tuple]] = [[() for _ in plan] for plan in plans]
+    pos = [0] * stages
+    remaining = sum(len(p) for p in plans)
+    while remaining:
+        progressed = False
+        for r, plan in enumerate(plans):
+            while pos[r] < len(plan):
+                i, src = pos[r], source[r][pos[r]]
+                if src is not None:
+                    if src not in sent:
+                        break
+                    clocks[r] = [max(a, b) for a, b in zip(clocks[r], sent[src])]
+                clocks[r][r] = i + 1
+                known = clocks[r]
+                releases[r][i] = tuple(s for s, q, j in open_sends[r] if known[q] > j)
+                open_sends[r] = [(s, q, j) for s, q, j in open_sends[r] if known[q] <= j]
+                if (r, i) in consumer:
+                    sent[(r, i)] = list(known)
+                    open_sends[r].append((i, *consumer[(r, i)]))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"op lists deadlock: p={stages} v={virtual}")
+    return releases
 
 
 def simulate(
