@@ -5,19 +5,20 @@
 
 Loads the checkpoint's weights (``checkpoint.finetune``: weights only, in each level's own
 storage) into one process at FP32 and at every ``--levels`` entry (``bench_levels``' names:
-``O3``, ``te:bf16``, ``O2@block``, ``te@block+e5m2``), runs forward and backward on the same
-``--batches`` micro-batches, the ones the run would train on next, and compares every
-gradient with FP32's: ``rel`` = ||g - g_fp32|| / ||g_fp32||, ``cos`` = cosine similarity and
-``norm`` = ||g|| / ||g_fp32||, averaged over the batches. No optimizer step runs: every
-batch sees the checkpoint's weights.
+``O3``, ``te:bf16``, ``O2@block``, ``te@block+e4m3``), runs forward and backward on the same
+``--batches`` micro-batches (the ones the run would train on next; from the first sample when
+its data is used up), and compares every gradient with FP32's: ``rel`` = ||g - g_fp32|| /
+||g_fp32||, ``cos`` = cosine similarity and ``norm`` = ||g|| / ||g_fp32||, averaged over the
+batches. No optimizer step runs: every batch sees the checkpoint's weights.
 
-The weights are the same at every level: a checkpoint's FP8/FP16 weights are FP32-exact and
-re-quantise to themselves at their own level and scales, so what differs is the arithmetic of
-the step alone (the casts of activations and gradients, the FP8 GEMMs, the FP8 gradient
-slots). FP8 scaling state starts fresh (a delayed recipe casts its first step with current
-scales, as after a fine-tune's load). Prints one row per linear weight (``--all``: every
-parameter), a column pair per level, and the whole model's gradient at the bottom. Any
-failure prints one ``error:`` line and exits 2.
+At the checkpoint's own level and granularity the weights are those of FP32: its FP8/FP16
+weights are FP32-exact and re-quantise to themselves, so what differs is the arithmetic of the
+step alone (the casts of activations and gradients, the FP8 GEMMs, the FP8 gradient slots).
+A level that stores or casts its weights otherwise (te or per-tensor O3 from an O3@block
+checkpoint) also rounds the weights once more. FP8 scaling state starts fresh (a delayed
+recipe casts its first step with current scales, as after a fine-tune's load). Prints one row
+per linear weight (``--all``: every parameter), three columns per level, and the whole
+model's gradient at the bottom. Any failure prints one ``error:`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def level_gradients(
         state = build_run(cfg, plan)
         restore(state, plan.resume, log=lambda line: None)
     consumed = plan.resume.metadata["consumed_samples"]
+    if consumed + batches * cfg.training.micro_batch_size > len(state.train_ds):
+        consumed = 0  # the run's last checkpoint: its data is used up, start over
     data = micro_batches(state.train_ds, consumed, cfg.training.micro_batch_size, 0, 1)
     opt, model = state.optimizer, state.model
     losses, grads = [], []
