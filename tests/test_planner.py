@@ -84,6 +84,55 @@ def test_extension_over_micro_batches_matches_the_full_step():
         assert a.memory.at_peak == pytest.approx(b.memory.at_peak, rel=1e-4, abs=64)
 
 
+def _synthetic_run(n: int, optimizer: int, backward: int):
+    """A planned step of ``n`` micro-batches whose optimizer phase peaks at ``optimizer``
+    bytes and backward phase at ``backward`` (weights 1000 of them, the rest activations
+    or comm), the optimizer phase the higher."""
+    from training.planner import RankPlan
+    from training.step_account import CATEGORIES, MemoryReport
+
+    def split(total: int, grows: str) -> dict[str, int]:
+        return {**dict.fromkeys(CATEGORIES, 0), "weights": 1000, grows: total - 1000}
+
+    phase_at_peak = {
+        "forward": split(1500, "activations"),
+        "backward": split(backward, "activations"),
+        "optimizer": split(optimizer, "comm"),
+    }
+    peaks = {phase: sum(c.values()) for phase, c in phase_at_peak.items()}
+    phase = max(peaks, key=peaks.__getitem__)
+    memory = MemoryReport(peaks[phase], phase_at_peak[phase], {}, phase, peaks, phase_at_peak)
+    return RankPlan(
+        rank=0, stage=0, tp_rank=0, dp_rank=0, parameters=1, micro_batches=n, memory=memory,
+        flops={"float8": 10.0 * n}, traffic=7 * n, comm={}, comm_groups={}, wire={},
+        host_reads=0, build_seconds=1.0, step_seconds=1.0,
+    )  # fmt: skip
+
+
+def test_extension_takes_the_phase_whose_line_is_highest_at_n():
+    """Every phase's peak is extended on its own line: a phase below the short steps' peak
+    that grows faster passes it later (GPT-175B's last stage at ce0d5ed: 25.90 GB reported
+    in the optimizer phase, its own backward phase 28.49 GB at 256 micro-batches)."""
+    from training.plan_run import _extend, _is_line
+
+    # Optimizer phase: 3000 + 10 per micro-batch; backward: 2500 + 50 per micro-batch.
+    runs = [_synthetic_run(n, 3000 + 10 * n, 2500 + 50 * n) for n in (5, 6, 7)]
+    assert {r.memory.peak_phase for r in runs} == {"optimizer"}
+    assert _is_line(runs, 256)
+    late = _extend(runs, 256).memory
+    assert late.peak_phase == "backward" and late.peak == 2500 + 50 * 256
+    assert late.phase_peaks == {"forward": 1500, "backward": 15300, "optimizer": 5560}
+    assert late.at_peak == late.phase_at_peak["backward"]
+    assert late.at_peak["activations"] == 15300 - 1000 and sum(late.at_peak.values()) == 15300
+    early = _extend(runs, 10).memory  # before the lines cross: still the optimizer's peak
+    assert early.peak_phase == "optimizer" and early.peak == 3100
+    assert early.at_peak["comm"] == 2100 and early.at_peak["activations"] == 0
+    assert _extend(runs, 256).flops == {"float8": 2560.0}
+    # A phase off its line (here backward) means a full step, whichever phase peaks.
+    bent = [_synthetic_run(n, 3000 + 10 * n, 2500 + 5 * n * n) for n in (5, 6, 7)]
+    assert not _is_line(bent, 256)
+
+
 def _plan_cli(*args: str, tmp_path=None):
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "plan.py"), *args],
@@ -168,6 +217,10 @@ def test_peak_inside_an_autograd_function_forward_is_forward():
     assert memory.peak >= 4 << 20
     assert {"forward", "backward", "after backward", "optimizer"} <= set(memory.phase_peaks)
     assert set(memory.phase_peaks) <= set(PHASES)
+    assert set(memory.phase_at_peak) == set(memory.phase_peaks)
+    for phase, nbytes in memory.phase_peaks.items():  # each phase's peak, by category
+        assert sum(memory.phase_at_peak[phase].values()) == nbytes, phase
+    assert memory.phase_at_peak["forward"] == memory.at_peak
 
 
 def test_cli_refuses_a_layout_in_one_line_like_the_preflight():

@@ -13,9 +13,11 @@ reaches its steady state (1F1B: ``pipeline + 1`` micro-batches; interleaved: twi
 ``pipeline``): what grows is what each micro-batch leaves until the step ends (its inputs,
 moved to the device up front, and its loss). ``plan_stage`` therefore executes three real
 steps, of ``n1`` (the steady state), ``n1 + d`` and ``n1 + 2d`` micro-batches, checks that
-their peaks, in total and by category, lie on one line in the same phase of the step (within
-``LINE_TOLERANCE``), and extends that line to n; otherwise it runs all n (``exact=True``
-always does). tests/test_planner.py checks the extension against full steps.
+the peak of every phase of the step, in total and by category, lies on one line (within
+``LINE_TOLERANCE``), and extends each phase's line to n; the step's peak is the highest of
+them there, which need not be in the phase of the short steps' peak (a phase growing faster
+overtakes it). Otherwise it runs all n (``exact=True`` always does). tests/test_planner.py
+checks the extension against full steps.
 """
 
 from __future__ import annotations
@@ -72,8 +74,14 @@ def _line(a, b, k: float):
     return round(value) if isinstance(b, int) else value
 
 
-def _memory_steps(runs) -> list[dict]:
-    return [{"peak": r.memory.peak, **r.memory.at_peak} for r in runs]
+def _phase_steps(runs) -> dict[str, list[dict]]:
+    """Per phase of the step: each run's peak in it, with its bytes by category then."""
+    return {
+        phase: [
+            {"peak": r.memory.phase_peaks[phase], **r.memory.phase_at_peak[phase]} for r in runs
+        ]
+        for phase in runs[-1].memory.phase_peaks
+    }
 
 
 # How far off the line the three peaks may be: what the extension to n could then be off by,
@@ -83,27 +91,41 @@ LINE_TOLERANCE = 1e-4
 
 
 def _is_line(runs, n: int) -> bool:
-    """Whether the three runs' peaks (total and by category) lie on one line in n, in one
-    phase of the step, closely enough that the extension to ``n`` is within
-    ``LINE_TOLERANCE`` of the peak."""
-    m = _memory_steps(runs)
-    if len({r.memory.peak_phase for r in runs}) != 1:
+    """Whether the three runs' peaks of every phase (total and by category) lie on one line
+    in n, closely enough that the extension to ``n`` is within ``LINE_TOLERANCE`` of the
+    step's peak."""
+    phases = [list(r.memory.phase_peaks) for r in runs]
+    if not phases[-1] or any(sorted(p) != sorted(phases[-1]) for p in phases):
         return False
     d = runs[1].micro_batches - runs[0].micro_batches
     reach = (n - runs[-1].micro_batches) / d + 1  # steps of d from the last run to n, and one
-    bar = LINE_TOLERANCE * m[-1]["peak"]
-    return all(abs(m[2][k] - 2 * m[1][k] + m[0][k]) * reach <= bar for k in m[0])
+    bar = LINE_TOLERANCE * runs[-1].memory.peak
+    return all(
+        abs(m[2][k] - 2 * m[1][k] + m[0][k]) * reach <= bar
+        for m in _phase_steps(runs).values()
+        for k in m[0]
+    )
 
 
 def _extend(runs, n: int) -> RankPlan:
-    """The last run with every per-step count and the memory peak taken from the line
-    through the runs at n."""
+    """The last run with every per-step count and each phase's memory peak taken from the
+    line through the runs at n; the step's peak is the highest phase's there."""
     a, b = runs[0], runs[-1]
     k = (n - a.micro_batches) / (b.micro_batches - a.micro_batches)
-    m = _line(*(_memory_steps(runs)[i] for i in (0, -1)), k)
-    peak = m.pop("peak")
-    phases = _line(a.memory.phase_peaks, b.memory.phase_peaks, k)
-    memory = dataclasses.replace(b.memory, peak=peak, at_peak=m, phase_peaks=phases)
+    lines = {phase: _line(m[0], m[-1], k) for phase, m in _phase_steps(runs).items()}
+    phase_at_peak = {
+        phase: {c: v for c, v in m.items() if c != "peak"} for phase, m in lines.items()
+    }
+    phase_peaks = {phase: m["peak"] for phase, m in lines.items()}
+    phase = max(phase_peaks, key=phase_peaks.__getitem__)  # the earliest of equal ones
+    memory = dataclasses.replace(
+        b.memory,
+        peak=phase_peaks[phase],
+        at_peak=phase_at_peak[phase],
+        peak_phase=phase,
+        phase_peaks=phase_peaks,
+        phase_at_peak=phase_at_peak,
+    )
     return dataclasses.replace(
         b,
         micro_batches=n,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,13 +110,14 @@ class MemoryReport:
     """``peak``: the most bytes live at once during the step; ``at_peak``: those bytes by
     category; ``end``: bytes live when the step ended, by category (what stays between
     steps); ``peak_phase``: where in the step the peak fell (``PHASES``); ``phase_peaks``: the
-    most bytes live at once within each phase."""
+    most bytes live at once within each phase; ``phase_at_peak``: those by category."""
 
     peak: int
     at_peak: dict[str, int]
     end: dict[str, int]
     peak_phase: str
     phase_peaks: dict[str, int]
+    phase_at_peak: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class StepAccount(TorchDispatchMode):
@@ -137,6 +138,7 @@ class StepAccount(TorchDispatchMode):
         self.peak_seq = 0
         self._peak_phase = "build"
         self._phase_peaks: dict[str, int] = {}
+        self._phase_peak_seq: dict[str, int] = {}
         self.flops: dict[str, float] = defaultdict(float)  # GEMM FLOPs by operand dtype
         self.traffic = 0  # bytes read + written by the non-GEMM ops
         self.host_reads = 0  # values read on the host that a meta step answered (MetaStep)
@@ -236,6 +238,7 @@ class StepAccount(TorchDispatchMode):
             phase = self._phase()
             if self.current > self._phase_peaks.get(phase, 0):
                 self._phase_peaks[phase] = self.current
+                self._phase_peak_seq[phase] = self.seq
         if self.current > self.peak:
             self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, self._phase()
 
@@ -273,7 +276,7 @@ class StepAccount(TorchDispatchMode):
         per-step counts (FLOPs, traffic, bytes sent, host reads) from zero."""
         self.step_started = True
         self.peak, self.peak_seq, self._peak_phase = self.current, self.seq, "step start"
-        self._phase_peaks = {}
+        self._phase_peaks, self._phase_peak_seq = {}, {}
         self._last = "step start"
         self.flops.clear()
         self.traffic = self.host_reads = 0
@@ -313,15 +316,23 @@ class StepAccount(TorchDispatchMode):
             if rec is not None and rec.tag not in _NAMED:
                 rec.tag = category
 
+    def _live_at(self, seq: int) -> dict[str, int]:
+        """Bytes live just after event ``seq``, by category."""
+        live = dict.fromkeys(CATEGORIES, 0)
+        for rec in (*self._live.values(), *self._dead):
+            if rec.born <= seq and (rec.died is None or rec.died > seq):
+                live[rec.tag or "temporaries"] += rec.nbytes
+        return live
+
     def memory(self) -> MemoryReport:
-        at_peak = dict.fromkeys(CATEGORIES, 0)
         end = dict.fromkeys(CATEGORIES, 0)
         for rec in self._live.values():
             end[rec.tag or "temporaries"] += rec.nbytes
-        for rec in (*self._live.values(), *self._dead):
-            if rec.born <= self.peak_seq and (rec.died is None or rec.died > self.peak_seq):
-                at_peak[rec.tag or "temporaries"] += rec.nbytes
-        return MemoryReport(self.peak, at_peak, end, self._peak_phase, dict(self._phase_peaks))
+        phases = {phase: self._live_at(seq) for phase, seq in self._phase_peak_seq.items()}
+        return MemoryReport(
+            self.peak, self._live_at(self.peak_seq), end, self._peak_phase,
+            dict(self._phase_peaks), phases,
+        )  # fmt: skip
 
 
 def _cpu_flash_flops(func, args, kwargs) -> float:
