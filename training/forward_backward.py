@@ -85,10 +85,12 @@ def track_health(state, on: bool) -> None:
 def _reuse_weight_casts(state, micro: int, n_micro: int) -> None:
     """The FP8 weights are cast by a step's first micro-batch and read again by the others
     (``Linear.weight_fp8``): the weights change only at the optimizer step. When others will
-    read it, the first also keeps the weights' transposes (one per step)."""
+    read it, the first also keeps the weights' transposes (one per step), unless
+    ``precision.keep_weight_transposes`` is off (each backward copies its own)."""
+    keep = n_micro > 1 and state.cfg.precision.keep_weight_transposes
     for module in _fp8_linears(state):
         module.reuse_weight_cast = micro > 0
-        module.keep_weight_cast = n_micro > 1
+        module.keep_weight_cast = keep
 
 
 def _release_weight_casts(state) -> None:
