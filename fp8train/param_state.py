@@ -30,6 +30,7 @@ __all__ = [
     "GradSlot",
     "fp8_grad_slot",
     "grad_slot",
+    "grad_value",
     "scale_block_of",
     "scale_inv_of",
     "set_grad_slot",
@@ -46,6 +47,14 @@ _SCALE_BLOCK = "scale_block"
 def grad_slot(p: torch.Tensor) -> GradSlot | None:
     """``p``'s gradient slot: its FP32 buffer view, its ``Fp8GradSlot``, or None (use ``.grad``)."""
     return getattr(p, _GRAD_SLOT, None)
+
+
+def grad_value(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a step uses: an FP8 slot dequantized, the FP32 buffer view, or ``.grad``."""
+    slot = getattr(p, _GRAD_SLOT, None)
+    if slot is None:
+        return p.grad
+    return slot if isinstance(slot, torch.Tensor) else slot.dequantize()
 
 
 def fp8_grad_slot(p: torch.Tensor) -> Fp8GradSlot | None:

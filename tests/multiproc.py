@@ -273,14 +273,10 @@ class RunsByWorld:
 
 
 def grad_value(p) -> torch.Tensor:
-    """The gradient a step would use: an FP8 slot dequantized, the FP32 ``main_grad`` of the
-    gradient buffers, or plain ``.grad`` (a model trained without TrainOptimizer)."""
-    from fp8train.param_state import grad_slot
+    """The gradient a step would use (``fp8train.param_state.grad_value``)."""
+    from fp8train.param_state import grad_value as value
 
-    slot = grad_slot(p)
-    if slot is None:
-        return p.grad
-    return slot if isinstance(slot, torch.Tensor) else slot.dequantize()
+    return value(p)
 
 
 def weight_value(p) -> torch.Tensor:

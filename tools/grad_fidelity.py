@@ -45,23 +45,13 @@ __all__ = ["compare", "level_gradients", "main"]
 REFERENCE = "fp32"
 
 
-def _grad(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient a step would use: an FP8 slot dequantized, FP32 ``main_grad`` views, or
-    ``.grad``."""
-    from fp8train.param_state import grad_slot
-
-    slot = grad_slot(p)
-    if slot is None:
-        return p.grad
-    return slot if isinstance(slot, torch.Tensor) else slot.dequantize()
-
-
 def level_gradients(
     level: str, config: str, checkpoint: str, overrides: list[str], batches: int, family: str
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """``level``'s losses and gradients (canonical name -> FP32 CPU copy) of the first
     ``batches`` micro-batches after the checkpoint's consumed samples, one process."""
     from data.sampler import micro_batches
+    from fp8train.param_state import grad_value
     from training.checkpointer import restore
     from training.config import load_config
     from training.forward_backward import forward_backward
@@ -105,13 +95,8 @@ def level_gradients(
         losses.append(float(totals[0] / totals[1]))
         inv = state.scaler.inv_scale
         unscale = 1.0 if inv is None else float(inv)
-        grads.append(
-            {
-                model.canonical_name(n): _grad(p).detach().float().cpu() * unscale
-                for n, p in model.named_parameters()
-                if _grad(p) is not None
-            }
-        )
+        named = ((model.canonical_name(n), grad_value(p)) for n, p in model.named_parameters())
+        grads.append({k: g.detach().float().cpu() * unscale for k, g in named if g is not None})
         opt.zero_grad()
     return losses, grads
 
