@@ -41,7 +41,7 @@ Threads rather than processes: the writer shares the snapshot with the main thre
 second copy into shared memory, no pickling), and its time goes to file writes and fsync,
 which release the GIL. What it still costs the step loop is CPU time where training and
 writing share cores, the GIL while safetensors serialises, and one small all-reduce per
-step while a save is in flight (``tools/bench_save.py`` measures both). The default is off,
+step while a save is in flight (``benchmarks/bench_save.py`` measures both). The default is off,
 as Megatron's ``--async-save`` is: each rank holds a host copy of the tensors it saves until
 they are written, and ``latest`` moves a few steps after the save's iteration instead of at
 it; turn it on where a save's stall is worth that memory.

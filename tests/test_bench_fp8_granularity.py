@@ -1,11 +1,11 @@
-"""tools/bench_fp8_granularity.py at a small size: every row of every case, and the table
+"""benchmarks/bench_fp8_granularity.py at a small size: every row of every case, and the table
 written between its markers."""
 
 from __future__ import annotations
 
 import re
 
-from tools import bench_fp8_granularity as bench
+from benchmarks import bench_fp8_granularity as bench
 
 
 def test_table_rows_and_write(tmp_path, capsys):
@@ -26,8 +26,8 @@ def test_table_rows_and_write(tmp_path, capsys):
 
 
 def test_bench_levels_level_specs():
-    # tools/bench_levels.py's "level@granularity+grad_format": the overrides each row runs with.
-    from tools.bench_levels import granularity_overrides
+    # "level@granularity+grad_format" (bench_levels, grad_fidelity): the overrides a row runs with.
+    from training.config import granularity_overrides
 
     assert granularity_overrides("O2") == ("O2", [])
     assert granularity_overrides("te:bf16@row") == (
@@ -47,7 +47,7 @@ def test_bench_levels_level_specs():
 def test_bench_levels_seeds_table_pairs_within_a_seed():
     # Each level is compared with the reference of its own seed (same split, same initial
     # weights); the row gives the mean and range of those paired differences over the seeds.
-    from tools.bench_levels import seeds_table
+    from benchmarks.bench_levels import seeds_table
 
     def row(level, valid, acc, final=1.0):
         return {"level": level, "final": final, "valid": valid, "valid_second": acc,
@@ -68,7 +68,7 @@ def test_bench_levels_seeds_table_pairs_within_a_seed():
 
 
 def test_bench_levels_table_times_each_granularity_against_its_twin():
-    from tools.bench_levels import table
+    from benchmarks.bench_levels import table
 
     def row(level, step_s, bpp=16.0):
         return {"level": level, "first": 2.0, "final": 1.0, "valid": 1.0, "step_s": step_s,

@@ -1,4 +1,4 @@
-"""CPU smoke test of tools/bench_gpu.py: every subcommand at tiny size for a step or two.
+"""CPU smoke test of benchmarks/bench_gpu.py: every subcommand at tiny size for a step or two.
 
 Checks the tables have a row per level and baseline with finite numbers, and that torchao's
 rows say "torchao not installed" where it is missing. Nothing about timings is asserted
@@ -14,9 +14,9 @@ import math
 
 import pytest
 
+from benchmarks import bench_gpu
+from benchmarks.bench_gpu_max_size import largest_fitting, parameter_count
 from fp8train import device as devices
-from tools import bench_gpu
-from tools.bench_gpu_max_size import largest_fitting, parameter_count
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
 BASELINES = ["PyTorch bf16", "torchao float8 tensorwise"]
@@ -51,7 +51,9 @@ def test_levels_rows(tmp_path, capsys):
     project = [f"fp8train {lv}" for lv in bench_gpu.DEFAULT_LEVELS]
     assert [r["name"] for r in rows] == project + BASELINES
     assert (
-        "Synthetic tokens" in table and "torch " in table and "tools/bench_gpu.py levels" in table
+        "Synthetic tokens" in table
+        and "torch " in table
+        and "-m benchmarks.bench_gpu levels" in table
     )
     for row in rows:
         assert f"| {row['name']} |" in table
@@ -191,7 +193,7 @@ def test_gpu_call_plan(tmp_path):
     """tools/gpu_call.sh's decisions: compiled rows whose check failed are dropped, building
     on the device is kept only if the eager check row ran, and the follow-up call runs the
     rows the first did not finish (not those that failed for a reason of their own)."""
-    from tools import gpu_call_plan
+    from benchmarks import gpu_call_plan
 
     def row(level, status, compiled=False, **extra):
         name = f"fp8train {level}" + (" + compile" if compiled else "")

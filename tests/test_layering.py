@@ -16,8 +16,9 @@ from conftest import REPO
 
 # Bottom first. A package may import only packages before it in this list (and itself).
 LAYERS = ("fp8train", "data", "parallel", "checkpoint", "models", "families", "training")
-# Above every layer: the entry points and the tools (they may import anything below).
-TOP = ("tools",)
+# Above every layer: the entry points, the tools a user runs and the benchmarks (they may import
+# anything below, but not each other: test_tools_and_benchmarks_are_apart).
+TOP = ("tools", "benchmarks")
 ENTRY_POINTS = ("pretrain_gpt.py", "pretrain_roberta.py", "pretrain_vit.py")
 
 
@@ -81,6 +82,20 @@ def test_entry_points_are_the_top():
     for entry in ENTRY_POINTS:
         for line, module in _imports(REPO / entry):
             assert module.split(".")[0] not in TOP, f"{entry}:{line} imports {module}"
+
+
+def test_tools_and_benchmarks_are_apart():
+    """What a user runs needs no benchmark, and a benchmark measures the layers, not a tool."""
+    crossing = []
+    for name, path in FILES.items():
+        top = name.split(".")[0]
+        if top not in TOP:
+            continue
+        for line, module in _imports(path):
+            other = module.split(".")[0]
+            if other in TOP and other != top:
+                crossing.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not crossing, "\n".join(crossing)
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -1,6 +1,6 @@
 """The plan of every rank of an 8-rank job against the same step really run on 8 gloo
 processes: tensor 2 (sequence parallel) x pipeline 2 x data 2 with the distributed
-optimizer, one family per level here (tools/bench_plan.py runs every family at every level
+optimizer, one family per level here (benchmarks/bench_plan.py runs every family at every level
 and docs/BENCHMARKS.md has its table).
 
 Both sides count with the same ``StepAccount`` (training/step_account.py): the plan executes
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import bench_plan
 from tests.multiproc import run_ranks
-from tools import bench_plan
 
 JOBS = [("gpt", "O3"), ("roberta", "te"), ("vit", "bf16")]
 

@@ -52,7 +52,7 @@ LEVELS_ARGS=(--size 1.3b --warmup 3 --steps 6 --profile --profile-steps 2 --row-
 pack() {
     tar czf "$OUT/raw.tar.gz" -C "$WORK" . 2>/dev/null
     for f in "$OUT"/levels*.json; do
-        [ -f "$f" ] && python3 tools/bench_gpu.py report "$f" >>"$OUT/calls.log" 2>&1
+        [ -f "$f" ] && python3 -m benchmarks.bench_gpu report "$f" >>"$OUT/calls.log" 2>&1
     done
     log "done"
 }
@@ -70,7 +70,7 @@ print("F.scaled_mm:", hasattr(F, "scaled_mm"), "ScalingType:", t and list(t.__me
         >>"$OUT/calls.log" 2>&1
 }
 
-# Optimizer rows (tools/bench_optimizer.py: LowBitAdamW reference and fused against torch's
+# Optimizer rows (benchmarks/bench_optimizer.py: LowBitAdamW reference and fused against torch's
 # fused AdamW, the 1.3B parameters), one level per process so that a timeout loses only it.
 optimizer() {
     local lv=$1 t
@@ -80,7 +80,7 @@ optimizer() {
         return
     fi
     log "optimizer $lv (timeout ${t} s)"
-    if timeout "$t" python3 tools/bench_optimizer.py --levels "$lv" --warmup 3 --steps 10 \
+    if timeout "$t" python3 -m benchmarks.bench_optimizer --levels "$lv" --warmup 3 --steps 10 \
         >>"$OUT/optimizer.log" 2>&1; then
         echo "$lv" >>"$WORK/optimizer_done"
         log "optimizer $lv done"
@@ -102,13 +102,13 @@ if [ "$phase" = compile ]; then
         --build-on-device)
     for lv in $CHECK_LEVELS; do
         f=check_${lv//:/_}
-        TORCHINDUCTOR_COMPILE_THREADS=4 timeout "$t" python3 tools/bench_gpu.py levels \
+        TORCHINDUCTOR_COMPILE_THREADS=4 timeout "$t" python3 -m benchmarks.bench_gpu levels \
             "${check[@]}" --rows "$lv+compile" --json "$WORK/$f.json" >"$WORK/$f.log" 2>&1 &
     done
-    timeout "$t" python3 tools/bench_gpu.py levels "${check[@]}" --rows bf16 \
+    timeout "$t" python3 -m benchmarks.bench_gpu levels "${check[@]}" --rows bf16 \
         --json "$WORK/check_eager.json" >"$WORK/check_eager.log" 2>&1 &
     wait
-    python3 tools/gpu_call_plan.py check "$WORK"/check_*.json >"$WORK/check.txt" 2>&1
+    python3 -m benchmarks.gpu_call_plan check "$WORK"/check_*.json >"$WORK/check.txt" 2>&1
     tee -a "$OUT/calls.log" <"$WORK/check.txt" # a failed row's traceback: raw.tar.gz
     rows=$ROWS
     for drop in $(sed -n 's/^DROP //p' "$WORK/check.txt"); do
@@ -120,7 +120,7 @@ if [ "$phase" = compile ]; then
     # the GEMMs' share (150 s).
     limit=$(($(left) - 150))
     log "levels 1.3b ${bod[*]} (time limit ${limit} s): $(echo $rows)"
-    timeout $((limit + 30)) python3 tools/bench_gpu.py levels "${LEVELS_ARGS[@]}" "${bod[@]}" \
+    timeout $((limit + 30)) python3 -m benchmarks.bench_gpu levels "${LEVELS_ARGS[@]}" "${bod[@]}" \
         --time-limit "$limit" --json "$OUT/levels.json" --rows $rows >"$OUT/levels.log" 2>&1
     log "levels rc=$?"
     cp "$OUT/levels.json" "$WORK/levels_call1.json" 2>/dev/null
@@ -129,7 +129,7 @@ if [ "$phase" = compile ]; then
     # issue 35's GEMM micro-benchmark at the step's shapes, then O3 and O1 with what is left.
     optimizer O2 45
     log "fp8 gemm"
-    timeout "$(budget 45 5)" python3 tools/bench_fp8_gemm.py --reps 10 --shapes $GEMM_SHAPES \
+    timeout "$(budget 45 5)" python3 -m benchmarks.bench_fp8_gemm --reps 10 --shapes $GEMM_SHAPES \
         >"$OUT/gemm.log" 2>&1
     log "fp8 gemm rc=$?"
     optimizer O3 5
@@ -140,7 +140,7 @@ elif [ "$phase" = compile-rest ]; then
     env_lines
     trap pack EXIT
     if [ -f "$WORK/levels_call1.json" ]; then
-        rows=$(python3 tools/gpu_call_plan.py rest "$WORK/levels_call1.json" $ROWS)
+        rows=$(python3 -m benchmarks.gpu_call_plan rest "$WORK/levels_call1.json" $ROWS)
         read -ra bod <"$WORK/build_on_device"
     else
         log "no earlier call on this machine: the references, then the rows after O2"
@@ -150,12 +150,12 @@ elif [ "$phase" = compile-rest ]; then
     limit=$(($(left) - 60))
     log "levels 1.3b, the rest ${bod[*]} (time limit ${limit} s): $rows"
     if [ -n "$rows" ]; then
-        timeout $((limit + 30)) python3 tools/bench_gpu.py levels "${LEVELS_ARGS[@]}" \
+        timeout $((limit + 30)) python3 -m benchmarks.bench_gpu levels "${LEVELS_ARGS[@]}" \
             "${bod[@]}" --time-limit "$limit" --json "$OUT/levels_rest.json" --rows $rows \
             >"$OUT/levels_rest.log" 2>&1
         log "levels rc=$?"
         if [ -f "$WORK/levels_call1.json" ]; then
-            python3 tools/bench_gpu.py report --merge "$WORK/levels_call1.json" \
+            python3 -m benchmarks.bench_gpu report --merge "$WORK/levels_call1.json" \
                 "$OUT/levels_rest.json" >"$OUT/levels_merged.md" 2>&1
         fi
     fi
@@ -168,11 +168,11 @@ if [ "$phase" = measure ]; then
     env_lines
     cat "$OUT/calls.log"
     log "linear"
-    timeout "$(budget 80 400)" python3 tools/bench_gpu.py linear --json "$OUT/linear.json" \
+    timeout "$(budget 80 400)" python3 -m benchmarks.bench_gpu linear --json "$OUT/linear.json" \
         >"$OUT/linear.log" 2>&1
     log "linear rc=$?"
     log "levels 1.3b"
-    timeout "$(budget 330 70)" python3 tools/bench_gpu.py levels --size 1.3b --steps 5 \
+    timeout "$(budget 330 70)" python3 -m benchmarks.bench_gpu levels --size 1.3b --steps 5 \
         --warmup 2 --row-timeout 70 --profile --json "$OUT/levels_1.3b.json" \
         --levels bf16 te O2 O3 te:bf16 O2:bf16 --baselines plain torchao-tensorwise \
         torchao-rowwise >"$OUT/levels_1.3b.log" 2>&1
@@ -189,7 +189,7 @@ elif [ "$phase" = max-size ]; then
     log "max-size"
     # Built on the GPU (host initialisation of a 10B model takes minutes per attempt); bf16
     # and O2 (the precision table's memory claim), each with half of what is left.
-    timeout "$(budget 600 5)" python3 tools/bench_gpu.py max-size --build-on-device \
+    timeout "$(budget 600 5)" python3 -m benchmarks.bench_gpu max-size --build-on-device \
         --levels bf16 O2 --start-layers 48 --tolerance 0.25 --budget-s $(($(left) / 2 - 15)) \
         --row-timeout 60 --json "$OUT/max_size.json" >"$OUT/max_size.log" 2>&1
     log "max-size rc=$?"

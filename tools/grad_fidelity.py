@@ -38,7 +38,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 import torch  # noqa: E402
 
 from fp8train.precision import split_level  # noqa: E402
-from tools.bench_levels import granularity_overrides  # noqa: E402
+from training.config import granularity_overrides  # noqa: E402
 
 __all__ = ["compare", "level_gradients", "main"]
 

@@ -56,6 +56,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "apply_overrides",
+    "granularity_overrides",
     "parse_yaml",
     "config_reference_markdown",
 ]
@@ -177,6 +178,22 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """A new Config with dotted ``section.key=value`` overrides applied (values parsed as YAML)."""
     sections = sections_for(cfg.family)
     return config_from_dict(_merge(config_to_dict(cfg), overrides, sections), cfg.family)
+
+
+def granularity_overrides(level: str) -> tuple[str, list[str]]:
+    """The benchmarks' and tools' short form of a level with its FP8 granularity, as overrides:
+    ``"te@block"`` -> ``("te", [precision.fp8_granularity=block, fp8_recipe=current])``, a
+    level with row- or block-wise FP8 scales (current scaling, which they need);
+    ``"te@block+e4m3"`` also stores output gradients in E4M3 (``precision.fp8_grad_format``,
+    the block recipes' choice)."""
+    level, _, granularity = level.partition("@")
+    granularity, _, grad_format = granularity.partition("+")
+    out = []
+    if granularity:
+        out += [f"precision.fp8_granularity={granularity}", "precision.fp8_recipe=current"]
+    if grad_format:
+        out.append(f"precision.fp8_grad_format={grad_format}")
+    return level, out
 
 
 def load_config(path: str, overrides: Iterable[str] = (), family: str | None = None) -> Config:

@@ -3,7 +3,7 @@
 A schedule is, per pipeline rank, the order in which that rank runs forward (``F``) and backward
 (``B``) passes of (model chunk, micro-batch) pairs. Writing it down as data keeps the three
 schedules a few lines each, lets one executor (``parallel/pipeline/engine.py``) run all of them,
-and lets tests and ``tools/bench_pipeline.py`` check them without processes.
+and lets tests and ``benchmarks/bench_pipeline.py`` check them without processes.
 
 - ``all_forward_all_backward`` (GPipe): every forward, then every backward (chunk by chunk
   with virtual chunks). Bubble ``(p-1)/(m+p-1)``, but all ``m`` micro-batches' activations

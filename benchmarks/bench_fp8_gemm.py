@@ -1,6 +1,6 @@
 """Time FP8 GEMM backends next to fp32/bf16 matmuls and show what "auto" picks.
 
-    python tools/bench_fp8_gemm.py [--device cpu|cuda] [--reps 5] [--shapes 2048x256x768 ...]
+    python -m benchmarks.bench_fp8_gemm [--device cpu|cuda] [--reps 5] [--shapes 2048x256x768 ...]
 
 Shapes are MxKxN for ``a[M,K] @ b[N,K].T``. A benchmark prints; it never asserts.
 """

@@ -1,6 +1,6 @@
 """Pipeline bubble per schedule: the closed form, the schedule simulator, and the real engine.
 
-    .venv/bin/python tools/bench_pipeline.py [--stages 2 4] [--micro 4 8] [--t-forward 0.02]
+    .venv/bin/python -m benchmarks.bench_pipeline [--stages 2 4] [--micro 4 8] [--t-forward 0.02]
         [--steps 3] [--write docs/BENCHMARKS.md]
 
 For each schedule (all_forward_all_backward, 1f1b, 1f1b interleaved with ``--virtual`` chunks per
@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks import bench_docs  # noqa: E402
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError  # noqa: E402
 from parallel.pipeline.schedules import (  # noqa: E402
     check_schedule,
@@ -47,7 +48,6 @@ from parallel.pipeline.schedules import (  # noqa: E402
     simulate,
     theoretical_bubble,
 )
-from tools import bench_docs  # noqa: E402
 
 __all__ = ["SCHEDULE_ROWS", "measure", "table", "write_section"]
 
@@ -257,7 +257,7 @@ def main() -> None:
     print()
     print(summary(rows))
     if args.write:
-        command = " ".join([".venv/bin/python tools/bench_pipeline.py", *sys.argv[1:]])
+        command = " ".join([".venv/bin/python -m benchmarks.bench_pipeline", *sys.argv[1:]])
         body = (
             f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "
             f"torch {torch.__version__}, 1-minute load average {load:.1f} before the run, with "

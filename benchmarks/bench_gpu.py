@@ -1,11 +1,11 @@
 """Benchmarks for a lent GPU: every precision level against plain PyTorch and torchao.
 
-    python tools/bench_gpu.py levels --size 1.3b [--compile] [--steps 10] [--warmup 3] [--json PATH]
-    python tools/bench_gpu.py levels --rows bf16+compile te:bf16+compile bf16 plain+compile ...
-    python tools/bench_gpu.py linear [--size 8192] [--json PATH]
-    python tools/bench_gpu.py max-size [--levels bf16 O2 O3] [--json PATH]
+    python -m benchmarks.bench_gpu levels --size 1.3b [--compile] [--steps 10] [--json PATH]
+    python -m benchmarks.bench_gpu levels --rows bf16+compile te:bf16+compile bf16 plain+compile ...
+    python -m benchmarks.bench_gpu linear [--size 8192] [--json PATH]
+    python -m benchmarks.bench_gpu max-size [--levels bf16 O2 O3] [--json PATH]
     ... [--write docs/BENCHMARKS.md]      # the table between this tool's markers
-    python tools/bench_gpu.py report RUN.json... [--merge] [--write docs/BENCHMARKS.md]
+    python -m benchmarks.bench_gpu report RUN.json... [--merge] [--write docs/BENCHMARKS.md]
 
 levels: one process (world size 1) trains a GPT with the project's own stack (load_config +
 overrides, build_run, train_step) at each level (default bf16, te:bf16, O1:bf16, O2:bf16,
@@ -59,13 +59,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks import bench_docs  # noqa: E402
+from benchmarks import bench_gpu_tables as tables  # noqa: E402
+from benchmarks.bench_gpu_linear import linear_rows  # noqa: E402
+from benchmarks.bench_gpu_max_size import search_level  # noqa: E402
+from benchmarks.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
 from fp8train import device as devices  # noqa: E402
 from fp8train import gemm  # noqa: E402
-from tools import bench_docs  # noqa: E402
-from tools import bench_gpu_tables as tables  # noqa: E402
-from tools.bench_gpu_linear import linear_rows  # noqa: E402
-from tools.bench_gpu_max_size import search_level  # noqa: E402
-from tools.bench_gpu_rows import ROW_PREFIX, SHAPES, device_info, measure_row, run_row  # noqa: E402
 
 __all__ = [
     "BASELINES",
@@ -283,7 +283,7 @@ def environment(argv: list[str]) -> dict:
     return {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "command": "python tools/bench_gpu.py " + shlex.join(argv),
+        "command": "python -m benchmarks.bench_gpu " + shlex.join(argv),
     }
 
 

@@ -1,4 +1,4 @@
-"""The rows of ``tools/bench_gpu.py linear``: forward + backward of one [M, K] x [K, N] linear
+"""The rows of ``benchmarks/bench_gpu.py linear``: forward + backward of one [M, K] x [K, N] linear
 (M = N = K = ``--size``), bf16 ``torch.nn.Linear`` against ``fp8train.Linear`` under the te
 recipe and torchao's Float8Linear, all timed in this process (a layer is small next to a GPT).
 """
@@ -11,16 +11,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fp8train import gemm_backend
-from fp8train.linear import Linear
-from fp8train.precision import get_recipe
-from tools.bench_gpu_rows import (
+from benchmarks.bench_gpu_rows import (
     NOT_INSTALLED,
     device_info,
     fp8_backend,
     time_steps,
     torchao_float8,
 )
+from fp8train import gemm_backend
+from fp8train.linear import Linear
+from fp8train.precision import get_recipe
 
 __all__ = ["linear_rows"]
 

@@ -1,11 +1,11 @@
 """Train a tiny model at several precision levels side by side and compare their losses.
 
-    .venv/bin/python tools/bench_levels.py --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
-    .venv/bin/python tools/bench_levels.py --model roberta --config configs/roberta_tiny.yaml ...
-    .venv/bin/python tools/bench_levels.py --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
-    .venv/bin/python tools/bench_levels.py --levels bf16 te te@row te@block  # fp8_granularity
-    .venv/bin/python tools/bench_levels.py --levels bf16 O2 O2@block+e4m3  # E4M3 gradients too
-    .venv/bin/python tools/bench_levels.py --model vit ... --seeds 1234 1 2  # paired across seeds
+    python -m benchmarks.bench_levels --levels bf16 te --iters 200 [--write docs/BENCHMARKS.md]
+    python -m benchmarks.bench_levels --model roberta --config configs/roberta_tiny.yaml ...
+    python -m benchmarks.bench_levels --levels bf16 te:bf16 O2:bf16  # param_dtype=bf16
+    python -m benchmarks.bench_levels --levels bf16 te te@row te@block  # fp8_granularity
+    python -m benchmarks.bench_levels --levels bf16 O2 O2@block+e4m3  # E4M3 gradients too
+    python -m benchmarks.bench_levels --model vit ... --seeds 1234 1 2  # paired across seeds
 
 Each level runs the real entry point through torchrun (same seed, same data, same config but
 ``precision.level``), one after the other on the same machine, so the timing ratios are
@@ -33,8 +33,9 @@ from statistics import fmean
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks import bench_docs  # noqa: E402
 from fp8train.precision import split_level  # noqa: E402
-from tools import bench_docs  # noqa: E402
+from training.config import granularity_overrides  # noqa: E402
 
 
 def _tag(section: str) -> str:
@@ -46,21 +47,6 @@ def _finished(metrics: Path, iters: int) -> bool:
         return False
     lines = metrics.read_text().splitlines()
     return bool(lines) and json.loads(lines[-1]).get("iteration") == iters
-
-
-def granularity_overrides(level: str) -> tuple[str, list[str]]:
-    """``"te@block"`` -> ``("te", [precision.fp8_granularity=block, fp8_recipe=current])``:
-    a level with row- or block-wise FP8 scales (current scaling, which they need);
-    ``"te@block+e4m3"`` also stores output gradients in E4M3 (``precision.fp8_grad_format``,
-    the block recipes' choice)."""
-    level, _, granularity = level.partition("@")
-    granularity, _, grad_format = granularity.partition("+")
-    out = []
-    if granularity:
-        out += [f"precision.fp8_granularity={granularity}", "precision.fp8_recipe=current"]
-    if grad_format:
-        out.append(f"precision.fp8_grad_format={grad_format}")
-    return level, out
 
 
 def run_level(
@@ -284,7 +270,7 @@ def main() -> None:
         title = f"{args.config}, {args.iters} iterations, {args.nproc} ranks"
         plot(rows, REPO / args.plot, title + (f", seed {args.seeds[0]}" if args.seeds else ""))
     if args.write:
-        command = " ".join(["python tools/bench_levels.py", *sys.argv[1:]])
+        command = " ".join(["python -m benchmarks.bench_levels", *sys.argv[1:]])
         body = (
             f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores "
             f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "

@@ -1,6 +1,6 @@
 """The planner (tools/plan.py) against real runs: three checks, each a table.
 
-``python -m tools.bench_plan layouts [--families gpt roberta vit] [--levels ...]``
+``python -m benchmarks.bench_plan layouts [--families gpt roberta vit] [--levels ...]``
     Fake equals real. Each tiny family at tensor 2 (sequence parallel) x pipeline 2 x data 2
     with the distributed optimizer, at every level: one real step in 8 gloo processes, each
     rank counted by ``training.planner.measure_rank``, against ``plan_rank`` of the same
@@ -9,12 +9,12 @@
     collective equal its run's ``comm-bytes`` and the bytes seen on its collectives, its
     FLOPs equal the run's, and all ranks' FLOPs against the family formula.
 
-``python -m tools.bench_plan rss [--levels te O2]``
+``python -m benchmarks.bench_plan rss [--levels te O2]``
     An independent measure: the growth of the resident set (``VmHWM`` after a reset) of a
     one-rank process that builds ``configs/gpt_125m.yaml`` and runs 2 steps, against the
     plan's peak of the same run.
 
-``python -m tools.bench_plan paper``
+``python -m benchmarks.bench_plan paper``
     FP8-LM's table (MS-AMP's GPT-7B / 13B / 175B on H100 under Megatron-LM) beside the plan
     of the same layouts at bf16, te and O3 with the distributed optimizer.
 
@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from tools import bench_docs
+from benchmarks import bench_docs
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("gpt", "roberta", "vit")
@@ -273,7 +273,7 @@ def rss_check(levels) -> list[dict]:
         real = {}
         for name, env in ALLOCATORS.items():
             child = subprocess.run(
-                [sys.executable, "-m", "tools.bench_plan", "_rss_child", level],
+                [sys.executable, "-m", "benchmarks.bench_plan", "_rss_child", level],
                 cwd=REPO, capture_output=True, text=True, check=True,
                 env={**os.environ, **env},
             )  # fmt: skip
@@ -328,7 +328,7 @@ def layouts_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.bench_plan",
+        prog="python -m benchmarks.bench_plan",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -352,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"bench_plan_{args.check}"
     if args.check == "rss":
         text = rss_table(rss_check(args.levels))
-        bench_docs.report(text, args.write, tag, "-m tools.bench_plan", argv, started, load)
+        bench_docs.report(text, args.write, tag, "-m benchmarks.bench_plan", argv, started, load)
         return 0
     jobs = [(f, lv) for f in args.families for lv in args.levels]
     rows = layout_check(jobs, args.jobs)
     bench_docs.report(
-        layouts_table(rows), args.write, tag, "-m tools.bench_plan", argv, started, load
+        layouts_table(rows), args.write, tag, "-m benchmarks.bench_plan", argv, started, load
     )
     return 0 if all(r["comm_equal"] and r["flops_equal"] for r in rows) else 1
 

@@ -1,7 +1,7 @@
 """Decisions inside one device call of tools/gpu_call.sh, from the JSON its phases wrote.
 
-    python3 tools/gpu_call_plan.py check CHECK.json...           # summary; then the plan lines
-    python3 tools/gpu_call_plan.py rest LEVELS.json ROW...       # the ROWs still to run
+    python3 -m benchmarks.gpu_call_plan check CHECK.json...           # summary; then the plan lines
+    python3 -m benchmarks.gpu_call_plan rest LEVELS.json ROW...       # the ROWs still to run
 
 check: the compile check ran each level's compiled row (and one eager row built on the device)
 at the 1.3B width with 2 layers, all at once. It prints one line per row (status, dynamo graphs
@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench_gpu import row_token  # noqa: E402
+from benchmarks.bench_gpu import row_token  # noqa: E402
 
 __all__ = ["check", "main", "rest"]
 

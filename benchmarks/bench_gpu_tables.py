@@ -1,4 +1,4 @@
-"""The markdown tables of tools/bench_gpu.py, from its rows and the device they ran on.
+"""The markdown tables of benchmarks/bench_gpu.py, from its rows and the device they ran on.
 
 Throughput, MFU against the dense peak the trainer itself would use, peak memory and speed
 ratios between rows measured side by side; a row that did not run keeps its line with its

@@ -1,6 +1,6 @@
 """SQNR of one FP8 linear layer's forward and backward at each scaling granularity.
 
-    .venv/bin/python tools/bench_fp8_granularity.py [--tokens 1024] [--size 1024]
+    .venv/bin/python -m benchmarks.bench_fp8_granularity [--tokens 1024] [--size 1024]
         [--write docs/BENCHMARKS.md]
 
 One ``fp8train.Linear`` (te: FP32 weights, FP8 GEMMs) against the same layer in float64, on
@@ -32,10 +32,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks import bench_docs  # noqa: E402
 from fp8train.linear import Linear  # noqa: E402
 from fp8train.precision import get_recipe  # noqa: E402
 from fp8train.scaling import ScalingRecipe  # noqa: E402
-from tools import bench_docs  # noqa: E402
 
 __all__ = ["CASES", "ROWS", "main", "sqnr_db", "sqnr_row"]
 
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         "(FP32 weights), against float64 on the same tensors; outlier cases scale "
         f"{OUTLIERS} channels by 100.\n\n" + table(args.tokens, args.size)
     )
-    bench_docs.report(text, args.write, TAG, "tools/bench_fp8_granularity.py", argv, started, load)
+    bench_docs.report(
+        text, args.write, TAG, "-m benchmarks.bench_fp8_granularity", argv, started, load
+    )
 
 
 if __name__ == "__main__":

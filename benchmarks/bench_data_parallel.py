@@ -1,6 +1,6 @@
 """Data parallelism at every precision level: model-state bytes, bytes on the wire, step time.
 
-    .venv/bin/python tools/bench_data_parallel.py [--levels fp32 bf16 te O1 O2 O3] [--steps 4]
+    .venv/bin/python -m benchmarks.bench_data_parallel [--levels fp32 bf16 te O1 O2 O3] [--steps 4]
         [--warmup 2] [--layers 4] [--rounds 1] [--write docs/BENCHMARKS.md]
 
 For each level, with the distributed optimizer (ZeRO-1) off and on, this forks ``--dp`` (4)
@@ -54,10 +54,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks import bench_docs  # noqa: E402
 from data.sampler import micro_batches  # noqa: E402
 from fp8train.precision import get_recipe  # noqa: E402
 from parallel.topology import destroy_distributed  # noqa: E402
-from tools import bench_docs  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.setup import build_run  # noqa: E402
 from training.step import train_step  # noqa: E402
@@ -434,7 +434,7 @@ def main() -> None:
     print(f"\n({elapsed:.0f} s)")
     if args.write:
         opening = bench_docs.measured_with(
-            "tools/bench_data_parallel.py", sys.argv[1:], elapsed, load, load_after
+            "-m benchmarks.bench_data_parallel", sys.argv[1:], elapsed, load, load_after
         )
         rounds = (
             f", every configuration measured {args.rounds} times in alternating order"

@@ -1,7 +1,7 @@
 """Activation memory per transformer layer: bytes saved for backward, with and without sequence
 parallelism and activation recompute, plus the bytes each TP collective puts on the wire.
 
-    .venv/bin/python tools/bench_activations.py [--tp 2] [--level te] [--seq 256] [--hidden 256]
+    python -m benchmarks.bench_activations [--tp 2] [--level te] [--seq 256] [--hidden 256]
 
 Spawns ``--tp`` gloo ranks on this machine (CPU). "Saved bytes" are what autograd keeps for
 backward during one layer's forward (counted with saved_tensors_hooks, unique storages), on

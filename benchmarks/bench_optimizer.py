@@ -1,8 +1,8 @@
 """Time LowBitAdamW (reference and fused) against torch's AdamW on GPT-1.3B's parameters.
 
-    python tools/bench_optimizer.py                      # CUDA: full size; CPU: --scale 8
-    python tools/bench_optimizer.py --scale 16 --layers 4 --levels O2 O3 --steps 3
-    python tools/bench_optimizer.py --threads 1   # a shared CPU: one thread is steadier
+    python -m benchmarks.bench_optimizer                      # CUDA: full size; CPU: --scale 8
+    python -m benchmarks.bench_optimizer --scale 16 --layers 4 --levels O2 O3 --steps 3
+    python -m benchmarks.bench_optimizer --threads 1   # a shared CPU: one thread is steadier
 
 The parameters are GPT-1.3B's (24 layers, hidden 2048, FFN 8192, vocabulary 50257, 2048
 positions), each dimension divided by ``--scale``: the linear weights of each level as the
@@ -38,7 +38,7 @@ from fp8train.low_precision import Fp8GradSlot, ScaledTensor  # noqa: E402
 from fp8train.optim import LowBitAdamW  # noqa: E402
 from fp8train.param_state import set_grad_slot, set_scale_inv  # noqa: E402
 
-# GPT-1.3B as tools/bench_gpu.py runs it.
+# GPT-1.3B as benchmarks/bench_gpu.py runs it.
 GPT_1_3B = dict(layers=24, hidden=2048, ffn=8192, vocab=50257, positions=2048)
 # Storage of the linear weights and the moments' dtypes per level (the precision table).
 LEVELS = {

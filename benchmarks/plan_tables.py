@@ -1,12 +1,12 @@
 """Tables from the planner (training/plan_run.py) at GPU scale: nothing here runs on a GPU.
 
-``python -m tools.plan_tables paper``
+``python -m benchmarks.plan_tables paper``
     FP8-LM's GPT table (MS-AMP's docs: H100, Megatron-LM) beside the plan of the same
     layouts at bf16, te and O3 with the distributed optimizer: memory per GPU (the most
     loaded stage's peak) and weight-related communication per GPU and step (the weights'
     all-gather plus the weight gradients' reduce-scatter).
 
-``python -m tools.plan_tables largest``
+``python -m benchmarks.plan_tables largest``
     The most layers a GPT of the 1.3B width (configs/gpt_1.3b.yaml: hidden 2048, 16 heads,
     2048 tokens, full recompute) can have and still fit one 80 GB GPU, and 8 of them as 8
     data-parallel ranks with the distributed optimizer, at bf16, te, O2 and O3: predicted,
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools import bench_docs
+from benchmarks import bench_docs
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -251,7 +251,7 @@ def largest_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.plan_tables",
+        prog="python -m benchmarks.plan_tables",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     text = paper_table(paper(args.jobs)) if args.table == "paper" else largest_table(
         largest(args.jobs))  # fmt: skip
     bench_docs.report(
-        text, args.write, f"plan_tables_{args.table}", "-m tools.plan_tables",
+        text, args.write, f"plan_tables_{args.table}", "-m benchmarks.plan_tables",
         sys.argv[1:] if argv is None else argv, started, load,
     )  # fmt: skip
     return 0

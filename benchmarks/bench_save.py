@@ -1,6 +1,6 @@
 """The step stall of a checkpoint save: synchronous against asynchronous (async_save).
 
-    .venv/bin/python tools/bench_save.py [--world 2] [--level te] [--interval 5] [--saves 4]
+    .venv/bin/python -m benchmarks.bench_save [--world 2] [--level te] [--interval 5] [--saves 4]
         [--rounds 2] [--warmup 3] [--write docs/BENCHMARKS.md]
 
 Forks ``--world`` gloo ranks, each building the tiny GPT of ``configs/gpt_tiny.yaml`` once
@@ -49,10 +49,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks import bench_docs  # noqa: E402
 from checkpoint.async_writer import CheckpointSaver  # noqa: E402
 from data.sampler import micro_batches  # noqa: E402
 from parallel.topology import destroy_distributed  # noqa: E402
-from tools import bench_docs  # noqa: E402
 from training.checkpointer import checkpoint_files  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.setup import build_run  # noqa: E402
@@ -248,7 +248,7 @@ def main() -> None:
     print(f"\n({elapsed:.0f} s; {megabytes:.1f} MB per checkpoint)")
     if args.write:
         opening = bench_docs.measured_with(
-            "tools/bench_save.py", sys.argv[1:], elapsed, load, load_after
+            "-m benchmarks.bench_save", sys.argv[1:], elapsed, load, load_after
         )
         body = (
             f"{opening}: {args.world} gloo processes training `{CONFIG}`'s model "

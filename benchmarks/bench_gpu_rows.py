@@ -1,4 +1,4 @@
-"""One row of tools/bench_gpu.py: a spec (a dict, JSON-able so that it can cross into a fresh
+"""One row of benchmarks/bench_gpu.py: a spec (a dict, JSON-able so that it can cross into a fresh
 process) in, the spec plus its measurements and a status out.
 
 A ``"project"`` row trains the project's own stack (load_config + overrides, build_run,

@@ -1,4 +1,4 @@
-"""The search of ``tools/bench_gpu.py max-size``: the most layers at a fixed width that
+"""The search of ``benchmarks/bench_gpu.py max-size``: the most layers at a fixed width that
 complete one training step at a precision level, by doubling then bisecting the layer count.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from benchmarks.bench_gpu_rows import FAMILY, model_config, run_config, run_row
 from models.context import BuildContext
 from parallel.pipeline import PipelineLayout
-from tools.bench_gpu_rows import FAMILY, model_config, run_config, run_row
 
 __all__ = ["largest_fitting", "parameter_count", "search_level"]
 

@@ -1,6 +1,6 @@
 """Peak host memory of building one rank's model slice, against the slice and the full model.
 
-    .venv/bin/python tools/bench_build_memory.py [--hidden 1024 --layers 8 --vocab 32768]
+    .venv/bin/python -m benchmarks.bench_build_memory [--hidden 1024 --layers 8 --vocab 32768]
         [--write docs/BENCHMARKS.md]
 
 Each layout runs in fresh processes (gloo, one per rank), so ``ru_maxrss`` (the process's
@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tools import bench_docs  # noqa: E402
+from benchmarks import bench_docs  # noqa: E402
 
 __all__ = ["LAYOUTS", "measure", "table"]
 
@@ -116,7 +116,7 @@ def table(results: dict[str, list[dict]], shape: dict) -> str:
     h, layers, vocab = shape["hidden_size"], shape["num_layers"], shape["vocab_size"]
     lines = [
         f"GPT, hidden {h}, {layers} layers, vocabulary {vocab}, FP32 (host memory, MiB; "
-        "`tools/bench_build_memory.py`). Build peak = peak resident memory during the build "
+        "`benchmarks/bench_build_memory.py`). Build peak = peak resident memory during the build "
         "minus the resident memory before it.",
         "",
         "| layout | rank | slice kept | full model | build peak | peak / slice | peak / full |",
