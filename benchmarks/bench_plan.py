@@ -3,7 +3,7 @@
 ``python -m benchmarks.bench_plan layouts [--families gpt roberta vit] [--levels ...]``
     Fake equals real. Each tiny family at tensor 2 (sequence parallel) x pipeline 2 x data 2
     with the distributed optimizer, at every level: one real step in 8 gloo processes, each
-    rank counted by ``training.planner.measure_rank``, against ``plan_rank`` of the same
+    rank counted by ``training.planning.rank_plan.measure_rank``, against ``plan_rank`` of the same
     rank on meta tensors. Per (family, level): the largest gap over the 8 ranks of the peak
     and of any category at the peak (as a share of the peak), whether every rank's bytes per
     collective equal its run's ``comm-bytes`` and the bytes seen on its collectives, its
@@ -90,8 +90,8 @@ def _real_worker(rank: int, world: int, port: int, jobs: list, out: str) -> None
 
     torch.set_num_threads(1)
     from parallel.topology import destroy_distributed
-    from training.plan import plan_parallel
-    from training.planner import measure_rank
+    from training.planning.rank_plan import measure_rank
+    from training.run_plan import plan_parallel
 
     for family, level in jobs:  # later jobs reuse the process group and add their groups
         cfg = _config(family, level)
@@ -118,8 +118,8 @@ def real_runs(jobs: list[tuple[str, str]], out: str, timeout: float = 900) -> No
 
 def _plan_job(job) -> dict:
     family, level, rank = job
-    from training.plan import plan_parallel
-    from training.planner import plan_rank
+    from training.planning.rank_plan import plan_rank
+    from training.run_plan import plan_parallel
 
     cfg = _config(family, level)
     # gloo's collectives (TP reduce-scatter as all-to-all plus a sum), as the real runs take.
@@ -230,8 +230,8 @@ def _rss_child(level: str) -> dict:
 
     from data.sampler import micro_batches
     from training.config import load_config
-    from training.plan import plan_parallel
-    from training.planner import accelerator_update
+    from training.planning.rank_plan import accelerator_update
+    from training.run_plan import plan_parallel
     from training.setup import build_run
     from training.step import train_step
 
@@ -265,8 +265,8 @@ def rss_check(levels) -> list[dict]:
     import subprocess
 
     from training.config import load_config
-    from training.plan import plan_parallel
-    from training.planner import plan_rank
+    from training.planning.rank_plan import plan_rank
+    from training.run_plan import plan_parallel
 
     rows = []
     for level in levels:

@@ -1,4 +1,5 @@
-"""Tables from the planner (training/plan_run.py) at GPU scale: nothing here runs on a GPU.
+"""Tables from the planner (training/planning/layout_plan.py) at GPU scale: nothing here runs
+on a GPU.
 
 ``python -m benchmarks.plan_tables paper``
     FP8-LM's GPT table (MS-AMP's docs: H100, Megatron-LM) beside the plan of the same
@@ -59,7 +60,7 @@ def weight_comm(comm: dict[str, float]) -> float:
 
 def paper(jobs: int | None = None) -> list[dict]:
     """One row per (model, level): the most loaded stage's peak and weight communication."""
-    from training.plan_run import plan_runs
+    from training.planning.layout_plan import plan_layouts
 
     runs, keys = [], []
     for name, ref in PAPER.items():
@@ -72,7 +73,7 @@ def paper(jobs: int | None = None) -> list[dict]:
             runs.append((cfg, ref["world"], None))
             keys.append((name, level, cfg))
     rows = []
-    for (name, level, cfg), (plan, stages) in zip(keys, plan_runs(runs, jobs=jobs)):
+    for (name, level, cfg), (plan, stages) in zip(keys, plan_layouts(runs, jobs=jobs)):
         worst = max(stages, key=lambda s: s.result.memory.peak).result
         ref, dp = PAPER[name], plan.data
         # A mean data-parallel rank sends (W-1)/W of every weight and every gradient of its
@@ -139,11 +140,11 @@ def _largest_cfg(level: str, data: int, layers: int):
 def _peaks(points: list[tuple[str, int, int]], jobs) -> list[tuple[int, str, dict]]:
     """The planned peak, its phase and every phase's peak of each (level, data ranks,
     layers), in one pool."""
-    from training.plan_run import plan_runs
+    from training.planning.layout_plan import plan_layouts
 
     runs = [(_largest_cfg(level, data, layers), data, None) for level, data, layers in points]
     out = []
-    for _, stages in plan_runs(runs, exact=True, jobs=jobs):
+    for _, stages in plan_layouts(runs, exact=True, jobs=jobs):
         memory = stages[0].result.memory
         out.append((memory.peak, memory.peak_phase, dict(memory.phase_peaks)))
     return out

@@ -357,7 +357,7 @@ def find_default_data(
 
 def planned_vocabulary(data_cfg) -> tuple[int, int]:
     """``(vocabulary size, pad id)`` of the ``data`` section's tokenizer for a run that is only
-    planned (training/planner.py: nothing prepared, no corpus read): a user's tokenizer is
+    planned (training/planning/: nothing prepared, no corpus read): a user's tokenizer is
     loaded (``data.tokenizer_model``); the default corpus's is the SentencePiece model it would
     train, ``data.vocab_size`` pieces with ``<pad>`` at id 3 (``train_sentencepiece``)."""
     if data_cfg.corpus == "stdlib":

@@ -232,8 +232,8 @@ class ModelFamily(ABC):
         """Model FLOPs of one optimizer step (forward + backward) over the global batch."""
 
     def planned_model_config(self, cfg, tensor_parallel: int) -> Any:
-        """The model config of a run that is only planned (training/planner.py): built from
-        the config alone, with what ``model_config`` takes from the prepared data (the
+        """The model config of a run that is only planned (training/planning/): built from the
+        config alone, with what ``model_config`` takes from the prepared data (the
         vocabulary, the classes) read without preparing any (no corpus built or read)."""
         raise NotImplementedError(f"model family {self.name!r} cannot be planned yet")
 

@@ -30,7 +30,7 @@ class BuildContext:
     materialize: False builds parallel layers without initialising them (their values are
     filled in afterwards, slice by slice, see ``models.base``). initialize: False leaves the
     whole model's values undefined (no initialisation, no replay): what a plan on fake
-    tensors builds, where only shapes and dtypes count (training/planner.py). meter: the
+    tensors builds, where only shapes and dtypes count (training/planning/rank_plan.py). meter: the
     run's ``parallel.comm_meter.CommMeter`` (None: not counted), where every tensor-parallel
     collective of the model records its bytes, so the run's comm-bytes and a plan see the TP
     traffic beside the data-parallel and pipeline traffic."""

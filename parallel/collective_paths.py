@@ -4,8 +4,8 @@ nccl has a native reduce-scatter (in place, any split sizes: uneven ones become 
 ``ncclReduce`` calls inside torch); gloo runs reduce-scatters here as an all-to-all plus a local
 FP32 sum in rank order, which is deterministic (the tests compare data parallelism bitwise
 with one process) but receives W pieces. The two differ in the buffers they allocate, so a plan
-(training/planner.py), whose process group is torch's "fake" one, must say which backend it
-stands for: ``fake_group_backend``.
+(training/planning/rank_plan.py), whose process group is torch's "fake" one, must say which
+backend it stands for: ``fake_group_backend``.
 """
 
 from __future__ import annotations

@@ -98,6 +98,20 @@ def test_tools_and_benchmarks_are_apart():
     assert not crossing, "\n".join(crossing)
 
 
+def test_the_planner_sits_above_the_trainer():
+    """training/planning/ runs the trainer's own build and step on meta tensors; the rest of
+    training/ (and every layer below) never needs it: only tools, benchmarks and the planner
+    itself import it."""
+    below = []
+    for name, path in FILES.items():
+        if name.split(".")[0] in TOP or name.startswith("training.planning"):
+            continue
+        for line, module in _imports(path):
+            if module.startswith("training.planning"):
+                below.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not below, "\n".join(below)
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import circle of ``graph`` (its modules in order), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -441,9 +441,9 @@ def test_chunk_elements_must_be_positive():
 def test_chunked_update_bounds_the_fp32_gradients_too():
     """An FP8 gradient slot's FP32 value is formed chunk by chunk, like the weights' and the
     moments' working copies: with one tensor per chunk, the most bytes the step allocates at
-    once (counted on every op's outputs by training/step_account.py) stay below two tensors'
-    worth of the 6 FP32 working copies, whatever the number of tensors (32 here)."""
-    from training.step_account import StepAccount
+    once (counted on every op's outputs by training/planning/step_account.py) stay below two
+    tensors' worth of the 6 FP32 working copies, whatever the number of tensors (32 here)."""
+    from training.planning.step_account import StepAccount
 
     torch.manual_seed(0)
     params = [scaled_param(torch.randn(64, 64), FP8) for _ in range(32)]

@@ -23,8 +23,8 @@ from fp8train.precision import get_recipe
 from tools.convert_checkpoint import main as convert_main
 from training.config import ConfigError, load_config
 from training.loop import pretrain
-from training.plan import ResumePlan
 from training.resume_check import resumed_param_dtype, saved_param_dtype
+from training.run_plan import ResumePlan
 
 CONFIG = str(REPO / "configs/gpt_tiny.yaml")
 

@@ -1,6 +1,6 @@
-"""The planner (training/planner.py, plan_run.py, tools/plan.py): the step it executes on meta
-tensors against the same step really run, its extension over micro-batches against the full
-step, its FLOPs against the family's formula, and its refusals."""
+"""The planner (training/planning/: rank_plan.py, layout_plan.py; tools/plan.py): the step it
+executes on meta tensors against the same step really run, its extension over micro-batches
+against the full step, its FLOPs against the family's formula, and its refusals."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 
 from tests.multiproc import REPO
 from training.config import load_config
-from training.plan import plan_parallel
-from training.plan_run import micro_batch_steps, plan_stage
-from training.planner import measure_rank, plan_rank
+from training.planning.layout_plan import micro_batch_steps, plan_stage
+from training.planning.rank_plan import measure_rank, plan_rank
+from training.run_plan import plan_parallel
 
 TINY = str(REPO / "configs" / "gpt_tiny.yaml")
 
@@ -88,8 +88,8 @@ def _synthetic_run(n: int, optimizer: int, backward: int):
     """A planned step of ``n`` micro-batches whose optimizer phase peaks at ``optimizer``
     bytes and backward phase at ``backward`` (weights 1000 of them, the rest activations
     or comm), the optimizer phase the higher."""
-    from training.planner import RankPlan
-    from training.step_account import CATEGORIES, MemoryReport
+    from training.planning.rank_plan import RankPlan
+    from training.planning.step_account import CATEGORIES, MemoryReport
 
     def split(total: int, grows: str) -> dict[str, int]:
         return {**dict.fromkeys(CATEGORIES, 0), "weights": 1000, grows: total - 1000}
@@ -113,7 +113,7 @@ def test_extension_takes_the_phase_whose_line_is_highest_at_n():
     """Every phase's peak is extended on its own line: a phase below the short steps' peak
     that grows faster passes it later (GPT-175B's last stage at ce0d5ed: 25.90 GB reported
     in the optimizer phase, its own backward phase 28.49 GB at 256 micro-batches)."""
-    from training.plan_run import _extend, _is_line
+    from training.planning.layout_plan import _extend, _is_line
 
     # Optimizer phase: 3000 + 10 per micro-batch; backward: 2500 + 50 per micro-batch.
     runs = [_synthetic_run(n, 3000 + 10 * n, 2500 + 50 * n) for n in (5, 6, 7)]
@@ -186,7 +186,7 @@ def test_peak_inside_an_autograd_function_forward_is_forward():
     backward, optimizer)."""
     import torch
 
-    from training.step_account import PHASES, StepAccount
+    from training.planning.step_account import PHASES, StepAccount
 
     class Wide(torch.autograd.Function):
         @staticmethod

@@ -3,8 +3,8 @@ processes: tensor 2 (sequence parallel) x pipeline 2 x data 2 with the distribut
 optimizer, one family per level here (benchmarks/bench_plan.py runs every family at every level
 and docs/BENCHMARKS.md has its table).
 
-Both sides count with the same ``StepAccount`` (training/step_account.py): the plan executes
-the step on meta tensors under the fake process group, the real run on CPU tensors under
+Both sides count with the same ``StepAccount`` (training/planning/step_account.py): the plan
+executes the step on meta tensors under the fake process group, the real run on CPU tensors under
 gloo, and the plan takes gloo's collective implementations for the comparison."""
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def level_gradients(
     from training.checkpointer import restore
     from training.config import load_config
     from training.forward_backward import forward_backward
-    from training.plan import plan_parallel
     from training.resume_check import resume_plan
+    from training.run_plan import plan_parallel
     from training.setup import build_run
     from training.step import _to_device
 

@@ -1,6 +1,6 @@
 """Plan a run at any scale on this machine: per-rank memory by category, FLOPs, bytes per
 collective and a lower bound on H100 step time, from the project's own step executed on meta
-tensors under a fake process group of N ranks (training/planner.py):
+tensors under a fake process group of N ranks (training/planning/rank_plan.py):
 
     .venv/bin/python tools/plan.py --config configs/gpt_175b.yaml --world-size 128 \\
         parallel.tensor=8 parallel.pipeline=4 precision.level=O3 optimizer.distributed=true
@@ -51,8 +51,8 @@ def _wrap(text: str) -> list[str]:
 
 
 def _table(cfg, plan, stages, bounds) -> str:
-    from training.step_account import CATEGORIES, PHASES
-    from training.step_time import H100
+    from training.planning.step_account import CATEGORIES, PHASES
+    from training.planning.step_time import H100
 
     lines = _wrap(
         f"plan: {cfg.family} {cfg.model.num_layers} layers x {cfg.model.hidden_size}, "
@@ -123,7 +123,7 @@ def _table(cfg, plan, stages, bounds) -> str:
     lines.append(
         "executed steps of "
         + "; ".join("/".join(map(str, e)) for e in sorted(runs))
-        + f" micro-batches, extended to {plan.micro_batches} (training/plan_run.py)"
+        + f" micro-batches, extended to {plan.micro_batches} (training/planning/layout_plan.py)"
         if any(len(e) > 1 for e in runs)
         else f"executed: the full step of {plan.micro_batches} micro-batches"
     )
@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        from training.plan_run import plan_run
-        from training.step_time import step_bound
+        from training.planning.layout_plan import plan_layout
+        from training.planning.step_time import step_bound
 
         cfg = load_config(str(args.config), args.overrides)
         world = args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline
-        plan, stages = plan_run(
+        plan, stages = plan_layout(
             cfg, world, args.rank, exact=args.exact, jobs=args.jobs, progress=not args.quiet
         )
     except (*PREFLIGHT_ERRORS, ConfigError, ValueError, OSError) as err:

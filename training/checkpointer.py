@@ -36,8 +36,8 @@ from checkpoint.store import (
 )
 from families.base import checkpoint_family
 from training.config import ConfigError, config_from_dict, config_to_dict
-from training.plan import ResumePlan
 from training.resume_check import check_compatible
+from training.run_plan import ResumePlan
 from training.setup import RunState
 
 __all__ = [

@@ -335,7 +335,7 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv[0], argv[1:], family)
         if world_size is not None:
-            from training.plan import plan_parallel  # imports torch: only when asked
+            from training.run_plan import plan_parallel  # imports torch: only when asked
 
             plan_parallel(cfg, world_size)
     except ConfigError as err:

@@ -20,9 +20,9 @@ from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
 from training.flops import measure_cpu_peak_tflops, peak_tflops_for
 from training.metrics import MetricsWriter, format_console_line, format_validation_line
-from training.plan import RunPlan, plan_parallel
 from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
+from training.run_plan import RunPlan, plan_parallel
 from training.setup import RunState, build_run
 from training.signals import StopSignals
 from training.step import SkipCounter, StepStats, TrainingError, evaluate, train_step

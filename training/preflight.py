@@ -1,7 +1,7 @@
 """Pre-flight: everything a run's config and its world size let us check before any worker
 starts or any process group exists, each problem one line naming the key or file.
 
-- the parallel layout and the batch split for the world size (training/plan.py), and a
+- the parallel layout and the batch split for the world size (training/run_plan.py), and a
   ``parallel.backend`` this machine has (nccl needs CUDA);
 - ``logging.dir`` and ``checkpoint.dir`` can be created and written (nothing is created),
   and no running job holds ``checkpoint.dir`` (training/run_lock.py);
@@ -29,9 +29,9 @@ from families import get_family
 from fp8train import device as devices
 from parallel.topology import TopologyError
 from training.config import Config, ConfigError, load_config
-from training.plan import ResumePlan, RunPlan, plan_parallel
 from training.resume_check import check_compatible, resume_plan
 from training.run_lock import run_lock_problem
+from training.run_plan import ResumePlan, RunPlan, plan_parallel
 
 __all__ = ["PREFLIGHT_ERRORS", "preflight", "check_run"]
 

@@ -36,7 +36,7 @@ from checkpoint.store import (
 from fp8train.precision import get_recipe
 from training.config import Config, ConfigError, config_to_dict
 from training.finetune_defaults import FREE_MODEL_FIELDS
-from training.plan import ResumePlan
+from training.run_plan import ResumePlan
 
 __all__ = [
     "FINETUNED_FROM",

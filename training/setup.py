@@ -28,8 +28,8 @@ from parallel.topology import ProcessGroups, init_distributed
 from training.compile import compile_enabled, compile_layers
 from training.config import Config, ConfigError
 from training.optimizer import TrainOptimizer, build_optimizer, build_scheduler
-from training.plan import ResumePlan, RunPlan, plan_parallel
 from training.resume_check import resumed_param_dtype, set_aside
+from training.run_plan import ResumePlan, RunPlan, plan_parallel
 
 __all__ = [
     "RunState",
@@ -41,7 +41,7 @@ __all__ = [
 @dataclass
 class RunState:
     cfg: Config
-    plan: RunPlan  # the split, micro-batches, chunks per stage, resume (training/plan.py)
+    plan: RunPlan  # the split, micro-batches, chunks per stage, resume (training/run_plan.py)
     family: ModelFamily
     metrics: tuple[str, ...]  # the family's run_metrics(cfg): what loss() returns and the log shows
     groups: ProcessGroups
@@ -236,8 +236,8 @@ def build_run(cfg: Config, plan: RunPlan | None = None, *, planning: bool = Fals
     and nothing is resumed. A plan that resumes keeps its checkpoint's FP8 GEMM backend (the
     loss sequence stays bit-identical) and padded vocabulary (``_keep_padded_vocab``).
 
-    ``planning``: the build of training/planner.py, on the meta device: no data prepared and
-    no datasets (the model config from ``ModelFamily.planned_model_config``), no values
+    ``planning``: the build of the planner (training/planning/), on the meta device: no data
+    prepared and no datasets (the model config from ``ModelFamily.planned_model_config``), no values
     initialised, and the FP8 GEMM backend a GPU would take when the config says "auto"
     (``scaled_mm``) rather than a race of fake kernels. ``precision.param_dtype=auto`` is
     resolved for the device this process runs on (``_param_dtype``), a plan's too: a plan

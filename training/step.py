@@ -117,7 +117,7 @@ def train_step(
     state.optimizer.buffers.start_step(n_micro)  # buckets reduce as backward fills them
     loss_and_tokens = forward_backward(state, batches, health=health)
     # Nothing after backward needs autograd: without it the step records no graph, and an
-    # account of the step (training/step_account.py) sees these ops outside "forward".
+    # account of the step (training/planning/step_account.py) sees these ops outside "forward".
     with torch.no_grad():
         return _after_backward(state, loss_and_tokens, health, grad_hook)
 

@@ -6,7 +6,7 @@ what its author remembered; the step knows what the code allocates. Here the pro
 ``build_run`` and ``train_step`` run unchanged for one rank of an N-rank job on the ``meta``
 device (tensors with shapes, dtypes, strides and storage sizes, but no memory and no values)
 and the "fake" process-group backend (collectives that return at once), so a GPT-175B slice
-costs seconds. ``training.step_account.StepAccount`` counts what the step allocates,
+costs seconds. ``training.planning.step_account.StepAccount`` counts what the step allocates,
 computes and sends, the same way it does in a real run.
 
 Three things a meta step needs that a real one does not (``MetaStep``):
@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from training.config_schema import Config
-from training.plan import RunPlan
-from training.step_account import MemoryReport, StepAccount
+from training.planning.step_account import MemoryReport, StepAccount
+from training.run_plan import RunPlan
 
 __all__ = [
     "MetaStep", "RankPlan", "accelerator_update", "fake_world", "flash_attention_on_meta",

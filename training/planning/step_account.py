@@ -1,7 +1,7 @@
 """What one training step allocates, computes and moves, counted op by op as it runs.
 
 ``StepAccount`` is a dispatch mode: every aten op of the step passes through it, on real
-tensors (a gloo run on CPU) or on meta tensors (a plan, training/planner.py), and the same
+tensors (a gloo run on CPU) or on meta tensors (a plan, rank_plan.py), and the same
 accounting applies to both, which is what lets a plan be checked against a real run.
 
 Memory is counted per storage (the unit an allocator hands out): each op's new output

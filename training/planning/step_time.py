@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from parallel.topology import Topology
 from training.flops import PEAK_TFLOPS
-from training.plan import RunPlan
+from training.run_plan import RunPlan
 
 __all__ = ["H100", "Hardware", "StepBound", "step_bound"]
 

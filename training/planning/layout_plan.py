@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 from parallel.topology import Topology
 from training.config_schema import Config
-from training.plan import RunPlan
-from training.planner import MetaStep, RankPlan, fake_world, plan_rank, plan_steps
+from training.planning.rank_plan import MetaStep, RankPlan, fake_world, plan_rank, plan_steps
 from training.preflight import preflight
+from training.run_plan import RunPlan
 
 __all__ = [
-    "StagePlan", "heaviest_data_rank", "micro_batch_steps", "plan_run", "plan_runs", "plan_stage",
+    "StagePlan", "heaviest_data_rank", "micro_batch_steps", "plan_layout", "plan_layouts",
+    "plan_stage",
 ]  # fmt: skip
 
 
@@ -173,7 +174,7 @@ def plan_stage(cfg: Config, plan: RunPlan, rank: int, exact: bool = False, say=N
 
 
 def say(line: str) -> None:
-    """A progress line on stderr (``plan_runs(progress=True)``; from worker processes too)."""
+    """A progress line on stderr (``plan_layouts(progress=True)``; from worker processes too)."""
     print(f"plan: {line}", file=sys.stderr, flush=True)
 
 
@@ -187,7 +188,7 @@ def _job(job):
     return plan_stage(cfg, plan, rank, exact, tell)
 
 
-def plan_run(
+def plan_layout(
     cfg: Config,
     world_size: int,
     ranks: list[int] | None = None,
@@ -200,17 +201,17 @@ def plan_run(
     would refuse, same message) and plan ``ranks`` (default: each stage's most loaded rank,
     ``heaviest_data_rank``), in up to ``jobs`` processes (default: one per CPU core);
     ``progress``: lines on stderr as the plan goes (``say``)."""
-    return plan_runs([(cfg, world_size, ranks)], exact=exact, jobs=jobs, progress=progress)[0]
+    return plan_layouts([(cfg, world_size, ranks)], exact=exact, jobs=jobs, progress=progress)[0]
 
 
-def plan_runs(
+def plan_layouts(
     runs: list[tuple[Config, int, list[int] | None]],
     *,
     exact: bool = False,
     jobs: int | None = None,
     progress: bool = False,
 ) -> list[tuple[RunPlan, list[StagePlan]]]:
-    """``plan_run`` of several ``(config, world size, ranks)`` runs, their ranks planned in
+    """``plan_layout`` of several ``(config, world size, ranks)`` runs, their ranks planned in
     one pool of up to ``jobs`` processes (tables of several models and levels)."""
     work, sizes, plans = [], [], []
     for cfg, world_size, ranks in runs:
