@@ -28,7 +28,7 @@ GIB = 2**30
 
 
 def peak_tflops(info: dict, gemm_dtype: str) -> float:
-    """The MFU denominator as the trainer picks it (training/loop.py ``_peak``): a known GPU's
+    """The MFU denominator as the trainer picks it (training/metrics.py ``mfu_peak``): a known GPU's
     dense peak for the GEMM dtype, else (on a CPU) the best measured fp32 matmul rate; NaN
     for a GPU the peak table does not know."""
     known = peak_tflops_for(info["device"], gemm_dtype)

@@ -249,7 +249,7 @@ class ModelFamily(ABC):
         layout: fused tensors (QKV groups, SwiGLU halves), the true and padded vocabulary."""
 
 
-# The keys the training loop writes into every metrics record, in its order (training/loop.py
+# The keys the training loop writes into every metrics record, in its order (training/metrics.py
 # builds each record from this tuple, the family's metrics after the first two); a family's
 # metric may not shadow one, nor start with a prefix of the loop's own key families: device
 # memory (mem-*-bytes), per-stage memory (mem-stage*/...), FP8 health (fp8/<layer>/...).

@@ -10,16 +10,11 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from data.sampler import micro_batches
-from families.base import LOOP_METRICS
-from fp8train import device as devices
-from fp8train.machine_cache import remember
 from training.checkpointer import checkpoint_files, make_saver, restore
 from training.config import Config, ConfigError, config_to_dict
-from training.flops import measure_cpu_peak_tflops, peak_tflops_for
-from training.metrics import MetricsWriter, format_console_line, format_validation_line
+from training.metrics import RunMetrics, bytes_line, stage_memory, stages_line
 from training.resume_check import resume_plan
 from training.run_lock import acquire_run_lock
 from training.run_plan import RunPlan, plan_parallel
@@ -33,18 +28,6 @@ __all__ = ["pretrain"]
 def _print(rank_logs: bool, *args) -> None:
     if rank_logs:
         print(*args, flush=True)
-
-
-def _peak(state: RunState) -> tuple[float, str]:
-    cfg = state.cfg
-    if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops, "configured"
-    name = devices.device_name(state.device)
-    known = peak_tflops_for(name, state.recipe.gemm)
-    if known is not None:
-        return known, f"dense {state.recipe.gemm} peak of {name}"
-    peak, source = remember("fp32-matmul-tflops", state.device, measure_cpu_peak_tflops, best=max)
-    return float(peak), f"fp32 matmul rate of {name}, {source}"
 
 
 def _already_complete(cfg: Config, plan: RunPlan) -> dict:
@@ -117,15 +100,9 @@ class _Run:
             self.announce(f"resumed from {resume.path} at iteration {self.iteration}")
         elif resume is not None:
             self.announce(f"loaded the weights of {resume.path}: fine-tuning from iteration 0")
-        log = cfg.logging
-        self.writer = MetricsWriter(
-            log.dir, enabled=self.logs, tensorboard=log.tensorboard,
-            resumed_at=self.iteration if resumed else None, loss_names=state.metrics,
-        )  # fmt: skip
-        self.flops = state.family.flops_per_step(state.model_config, self.t.global_batch_size)
-        # Only the logging rank reports MFU: the others skip measuring a CPU peak (~0.5 s).
-        self.peak, source = _peak(state) if self.logs else (math.nan, "not measured here")
-        self._announce_start(source)
+        # The writer, FLOPs per step and MFU peak; each interval's record (training/metrics.py).
+        self.metrics = RunMetrics(state, self.logs, self.iteration if resumed else None)
+        self._announce_start()
         self.data_iter = micro_batches(
             state.train_ds, self.consumed, self.t.micro_batch_size, topo.dp_rank, topo.data,
             num_workers=state.family.loader_workers(cfg),
@@ -139,8 +116,10 @@ class _Run:
         self.printed_bytes, self.stopped_by = False, None
         self.saver = make_saver(state, self.announce)
 
-    def _announce_start(self, peak_source: str) -> None:
+    def _announce_start(self) -> None:
         state, cfg, log = self.state, self.cfg, self.cfg.logging
+        metrics = self.metrics
+        peak, peak_source, writer = metrics.peak, metrics.peak_source, metrics.writer
         topo, r = state.groups.topology, state.recipe
         n_params = sum(p.numel() for p in state.model.parameters())
         self.announce(
@@ -150,15 +129,15 @@ class _Run:
             f"({state.param_dtype_source}) | world {topo.world_size} (tp {topo.tensor} pp "
             f"{topo.pipeline} dp {topo.data}) | {n_params / 1e6:.2f}M parameters on this rank | "
             f"{self.n_micro} micro-batches/step | fp8 gemm backend {state.gemm_backend} | MFU "
-            f"peak {self.peak:.3f} TFLOP/s ({peak_source})"
+            f"peak {peak:.3f} TFLOP/s ({peak_source})"
         )
         self.announce(
             f"> run: metrics {log.dir}/metrics.jsonl"
             + (f", TensorBoard {log.dir}/tensorboard" if log.tensorboard else "")
             + f", checkpoints {cfg.resolved_checkpoint_dir()}"
         )
-        self.writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
-        self.writer.text("mfu-peak", f"{self.peak:.3f} TFLOP/s: {peak_source}")
+        writer.text("config", f"```\n{config_to_dict(cfg)}\n```")
+        writer.text("mfu-peak", f"{peak:.3f} TFLOP/s: {peak_source}")
 
     def step(self) -> StepStats:
         """One optimizer step, the FP8 health it was asked to measure, and the counters."""
@@ -170,16 +149,12 @@ class _Run:
         stats = train_step(state, self.data_iter, self.n_micro, health=fp8_log)
         if not self.printed_bytes and state.bytes_per_param:
             self.printed_bytes = True
-            self.announce("> model-state bytes per parameter (this rank): " + _bytes_line(state))
-            stages = _stage_memory(state)
+            self.announce("> model-state bytes per parameter (this rank): " + bytes_line(state))
+            stages = stage_memory(state)  # collective over the pipeline stages
             if stages:
-                self.announce("> per pipeline stage: " + _stages_line(stages))
+                self.announce("> per pipeline stage: " + stages_line(stages))
         if fp8_log:  # per-layer FP8 health: amax, scale, underflow, saturation (collective)
-            fp8 = _gather_fp8_stats(state)
-            if self.logs:
-                scalars = {f"fp8/{layer}/{k}": v for layer, roles in fp8.items()
-                           for k, v in roles.items()}  # fmt: skip
-                self.writer.scalars(self.iteration + 1, scalars)
+            self.metrics.fp8_health(self.iteration + 1)
         self.iteration += 1
         self.consumed += self.t.global_batch_size
         self.skips.record(stats, self.iteration)  # on the device: checked when read
@@ -223,7 +198,9 @@ class _Run:
         valid = evaluate(self.state, self.n_micro) if eval_due else None
         losses = {k: v / self.interval_steps for k, v in self.interval_loss.items()}
         eta = _eta(self.run_start, iteration - self.first_iteration, t.train_iters - iteration)
-        self.last = self._log(losses, stats, elapsed, valid, eta)
+        self.last = self.metrics.interval(
+            iteration, self.consumed, losses, stats, elapsed, valid, eta, self.counters
+        )
         self.interval_loss, self.interval_steps = {}, 0
         self.interval_start = time.perf_counter()
 
@@ -251,79 +228,8 @@ class _Run:
             )
         return stop
 
-    def _log(self, losses: dict, stats: StepStats, step_time: float, valid, eta: float) -> dict:
-        """``losses``: each metric's mean over the log interval; ``valid``: the validation
-        values (None when no evaluation was due); ``eta``: estimated seconds to train_iters."""
-        state, iteration, consumed = self.state, self.iteration, self.consumed
-        flops, peak, counters = self.flops, self.peak, self.counters
-        topo = state.groups.topology
-        tflops = flops / (step_time * 1e12 * topo.world_size)
-        bpp = state.bytes_per_param or {}
-        by_role = {f"{cat}/{role}": v for cat, roles in bpp.items() for role, v in roles.items()}
-        values = {
-            "iteration": iteration,
-            "consumed-samples": consumed,
-            "learning-rate": state.optimizer.param_groups[0]["lr"],
-            "grad-norm": stats.grad_norm,
-            "loss-scale": state.scaler.loss_scale,
-            "batch-size": state.cfg.training.global_batch_size,
-            "iteration-time": step_time,
-            "samples-per-second": state.cfg.training.global_batch_size / step_time,
-            "throughput": tflops,
-            "mfu": tflops / peak,
-            "bytes-per-param": bpp.get("all", {}).get("total"),
-            "bytes-per-param-by-role": by_role,
-            "comm-bytes": stats.comm,
-            "wire-bytes-per-grad-element": stats.wire,
-            "wire-bytes-per-grad-element-all": stats.wire_all,
-            "wire-bytes-per-element": stats.comm_per_element,
-            "skipped-iterations": counters["skipped"],
-            "nan-iterations": counters["nan"],
-            "eta-seconds": eta,
-        }
-        if set(values) != set(LOOP_METRICS):  # the registry refuses family metrics by it
-            raise RuntimeError(f"loop metrics {sorted(values)} drifted from LOOP_METRICS")
-        # The families' metrics go after the first two keys (the registry's LOOP_METRICS).
-        m = {k: values[k] for k in LOOP_METRICS[:2]} | losses
-        m.update((k, values[k]) for k in LOOP_METRICS[2:])
-        family = state.family
-        for name, value in (valid or {}).items():
-            m[f"{name} validation"] = value
-            if name in family.perplexity_metrics:
-                m[f"{name} validation ppl"] = math.exp(min(value, 20.0))
-        mem = devices.memory_stats(state.device)
-        for key, value in mem.items():  # Megatron's names: mem-allocated-bytes, ...
-            m[f"mem-{key.replace('_', '-')}-bytes"] = value
-        m.update(_stage_memory(state))  # collective: every rank, not only the one that logs
-        if self.logs:
-            self._emit(m, valid)
-        return m
-
-    def _emit(self, m: dict, valid: dict | None) -> None:
-        """The logging rank's output of one interval's metrics ``m``: the console line (and
-        the validation line), TensorBoard scalars and the metrics.jsonl record."""
-        state, family, iteration = self.state, self.state.family, self.iteration
-        labels = family.console_labels
-        print(
-            format_console_line(
-                iteration, self.t.train_iters, m, state.metrics, family.sample_unit, labels
-            ),
-            flush=True,
-        )
-        if valid is not None:
-            line = format_validation_line(iteration, valid, family.perplexity_metrics, labels)
-            print(line, flush=True)
-        scalars = {k: v for k, v in m.items() if isinstance(v, int | float)}
-        scalars.pop("iteration")
-        for group in ("bytes-per-param-by-role", "comm-bytes", "wire-bytes-per-element"):
-            prefix = "bytes-per-param" if group == "bytes-per-param-by-role" else group
-            scalars.update((f"{prefix}/{name}", value) for name, value in m[group].items())
-        self.writer.scalars(iteration, scalars, samples=self.consumed)
-        self.writer.record(m)
-        self.writer.flush()
-
     def close(self) -> dict:
-        self.writer.close()
+        self.metrics.close()
         self.state.run_lock.release()
         return {"iteration": self.iteration, "consumed_samples": self.consumed,
                 "stopped_by": self.stopped_by, **self.last}  # fmt: skip
@@ -333,60 +239,3 @@ def _eta(run_start: float, done: int, remaining: int) -> float:
     """Seconds left at this run's mean wall time per iteration so far (evaluations and saves
     included: they recur at the same rate)."""
     return (time.perf_counter() - run_start) / max(done, 1) * remaining
-
-
-def _stages_line(stages: dict[str, float]) -> str:
-    parts = []
-    for stage in range(len(stages) // 3):
-        n = stages[f"mem-stage{stage}/num-parameters"]
-        b = stages[f"mem-stage{stage}/model-state-bytes"]
-        peak = stages[f"mem-stage{stage}/peak-bytes"]
-        parts.append(
-            f"stage {stage}: {n / 1e6:.2f}M params, model state {b / 2**20:.1f} MiB, "
-            f"peak {peak / 2**20:.0f} MiB"
-        )
-    return " | ".join(parts)
-
-
-def _bytes_line(state: RunState) -> str:
-    parts = []
-    for category, roles in state.bytes_per_param.items():
-        detail = ", ".join(
-            f"{r} {roles[r]:.2f}" for r in ("weights", "grads", "master", "optimizer")
-        )
-        parts.append(f"{category} {roles['total']:.2f} ({detail})")
-    return " | ".join(parts)
-
-
-def _stage_memory(state: RunState) -> dict[str, float]:
-    """Per pipeline stage (collective over the stages; {} without a pipeline): parameters,
-    model-state bytes and peak memory of each stage's rank in this pipeline."""
-    pipeline = state.groups.pipeline
-    if pipeline is None:
-        return {}
-    whole = (state.bytes_per_param or {}).get("all", {})
-    n = whole.get("num-parameters", 0.0)
-    peak = max(devices.memory_stats(state.device).values(), default=0)
-    # On the run's device: nccl gathers no CPU tensors.
-    values = [n, n * whole.get("total", 0.0), float(peak)]
-    mine = torch.tensor(values, dtype=torch.float64, device=state.device)
-    gathered = [torch.zeros_like(mine) for _ in pipeline.ranks]
-    dist.all_gather(gathered, mine, group=pipeline.collectives)
-    out = {}
-    for stage, (params, state_bytes, peak_bytes) in enumerate(t.tolist() for t in gathered):
-        out[f"mem-stage{stage}/num-parameters"] = params
-        out[f"mem-stage{stage}/model-state-bytes"] = state_bytes
-        out[f"mem-stage{stage}/peak-bytes"] = peak_bytes
-    return out
-
-
-def _gather_fp8_stats(state: RunState) -> dict:
-    """Every stage's per-layer FP8 health at the rank that logs (layer names are global)."""
-    stats = state.model.fp8_stats()
-    pipeline = state.groups.pipeline
-    if pipeline is None:
-        return stats
-    # Plain dicts of floats between this job's own processes; nothing read from files.
-    gathered = [None] * len(pipeline.ranks)
-    dist.all_gather_object(gathered, stats, group=pipeline.collectives)
-    return {k: v for part in gathered for k, v in part.items()}
