@@ -10,11 +10,14 @@ in the layout that GEMM reduces over, from the high-precision tensor, with curre
 ``block``: x, g, gᵀ and xᵀ in 1x128 tiles, W in 128x128 blocks whose transpose is Wᵀ's
 quantization (one cast of the weight serves both GEMMs, the reason for square blocks).
 ``row``: one scale per row of each operand, so Wᵀ is a second cast of the weight.
-A tensor and its transpose are one cast unit (``blockwise.quantize_operand`` of the tensor
-and, ``transposed``, of its transpose): both computed from the tensor as it lies, the
-transposed bytes written contiguous, every scale grid in the layout cuBLASLt reads, so no GEMM
-copies an operand or a scale (compiled, the compiler fuses the unit into passes that read the
-tensor once).
+A tensor and its transpose are one cast unit (``_cast_unit``): both computed from the tensor
+as it lies, the transposed bytes written contiguous, every scale grid in the layout cuBLASLt
+reads, so no GEMM copies an operand or a scale. Where the linear bound the Triton kernels
+(``triton_cast.bind``: CUDA sm_90+ with triton, decided at build time and passed in as
+``kernels``), one read of the tensor writes both (two at ``row``: amaxes, then both casts), and
+a weight's 128x128 cast writes Wᵀ's contiguous copy in the same read. Elsewhere, the
+reference: ``blockwise.quantize_operand`` of the tensor and, ``transposed``, of its transpose,
+each reading the tensor (compiled, inductor generates their kernels as it sees fit).
 What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activation, as the
 per-tensor path keeps x) and Wᵀ (at ``block`` a view of W's bytes for the emulation, their
 transposed copy where cuBLASLt reads it, whose second operand is column-major).
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from . import block_scaled_mm
+from . import block_scaled_mm, triton_cast
 from .blockwise import (
     WEIGHT_BLOCK,
     BlockFloat8Tensor,
@@ -81,6 +84,35 @@ def _transposed(w8: BlockFloat8Tensor, layouts: bool) -> BlockFloat8Tensor:
     if not layouts:
         return wt8
     return BlockFloat8Tensor(wt8.data.contiguous(), wt8.scale_inv, wt8.fmt, wt8.block)
+
+
+def _cast_unit(
+    x: torch.Tensor, scaling: ScalingRecipe, fmt, kernels: bool, want=(True, True)
+) -> tuple[BlockFloat8Tensor | None, BlockFloat8Tensor | None]:
+    """``(x8, xt8)`` of an activation, a gradient or (``row``) a weight ``x [R, C]``: x along
+    C and xᵀ along R, each where ``want`` says (None elsewhere). With the kernels bound
+    (``triton_cast.bind``), one read of ``x`` writes both (two at ``row``); else one
+    ``quantize_operand`` per orientation."""
+    if kernels:
+        return triton_cast.quantize_pair(
+            x, fmt, scaling.granularity, scaling.margin, scaling.power_of_two, want
+        )
+    x8 = _cast(x, scaling, fmt, weight=False) if want[0] else None
+    return x8, _cast_t(x, scaling, fmt, weight=False) if want[1] else None
+
+
+def _cast_weight(
+    w: torch.Tensor, scaling: ScalingRecipe, layouts: bool, kernels: bool
+) -> tuple[BlockFloat8Tensor, BlockFloat8Tensor]:
+    """``(w8, wt8)`` of a weight in 128x128 blocks: one cast serves both GEMMs, Wᵀ's bytes a
+    view or (``layouts``) a contiguous copy, which the kernels write in the same read."""
+    if kernels:
+        w8, wt8 = triton_cast.quantize_weight(
+            w, E4M3, scaling.margin, scaling.power_of_two, transposed=layouts
+        )
+        return w8, w8.t() if wt8 is None else wt8
+    w8 = _cast(w, scaling, E4M3, weight=True)
+    return w8, _transposed(w8, layouts)
 
 
 def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
@@ -121,19 +153,27 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         w_scale_inv,
         input_comm,
         backend="emulated",
+        kernels=False,
     ):
         # Wᵀ's bytes contiguous where cuBLASLt's block-scaled kernel reads them; the emulation
         # reads a view. Decided by what was bound at build time, never by values.
         kernel = block_scaled_mm.bound(x.device) if backend == "scaled_mm" else None
         layouts = kernel is not None
+        # Wᵀ for dx, along N: at ``block`` the 128x128 weight blocks transpose as they are;
+        # rows do not, so at ``row`` Wᵀ is a second cast of the weight.
         if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
             w = None
             block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
             w8 = BlockFloat8Tensor(weight.detach(), w_scale_inv, E4M3, block)
+            wt8 = _transposed(w8, layouts)
         else:
             w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
-            w8 = _cast(w, scaling, E4M3, weight=True)
-        x8 = _cast(x.detach(), scaling, E4M3, weight=False)
+            if scaling.granularity == "block":
+                w8, wt8 = _cast_weight(w, scaling, layouts, kernels)
+            else:
+                w8, wt8 = _cast_unit(w, scaling, E4M3, kernels)
+        # xᵀ for dW, along M: with x in the same read unless x's rows are gathered below.
+        x8, xt8 = _cast_unit(x.detach(), scaling, E4M3, kernels, (True, input_comm is None))
         if health is not None:  # this rank's rows, before any gather
             block_health(health, "input", x.detach(), x8)
         if input_comm is not None:  # this rank's rows -> all rows, FP8 bytes and their scales
@@ -143,16 +183,11 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         y = fp8_gemm(x8, w8, x.dtype, backend, bias=bias, fast_accum=scaling.fast_accum)
         if health is not None and w is not None:  # a stored FP8 weight is not cast here
             block_health(health, "weight", w, w8)
-        x_full = x.detach() if input_comm is None else x8.dequantize()
-        xt8 = _cast_t(x_full, scaling, E4M3, weight=False)  # for dW, along M
-        # For dx, along N: block's 128x128 weight blocks transpose as they are; rows are not.
-        if scaling.granularity == "block":
-            wt8 = _transposed(w8, layouts)
-        else:
-            wt8 = _cast_t(w, scaling, E4M3, weight=True)
+        if input_comm is not None:  # xᵀ's tiles run along the gathered rows
+            _, xt8 = _cast_unit(x8.dequantize(), scaling, E4M3, kernels, (False, True))
         ctx.save_for_backward(xt8.data, xt8.scale_inv, wt8.data, wt8.scale_inv)
         ctx.blocks = xt8.block, wt8.block
-        ctx.scaling, ctx.health, ctx.backend = scaling, health, backend
+        ctx.scaling, ctx.health, ctx.backend, ctx.kernels = scaling, health, backend, kernels
         ctx.sink = wgrad_sink is not None
         ctx.input_comm = input_comm
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -169,15 +204,16 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         fmt = FORMATS[ctx.scaling.grad_format.upper()]
         g = g.detach()
         dx = dw = db = None
+        # g along N for dx, gᵀ along M for dW: one cast unit, both from one read where both
+        # are needed (the first layer needs no dx).
+        g8, gt8 = _cast_unit(g, ctx.scaling, fmt, ctx.kernels, (need_x, need_w))
         if need_x:
-            g8 = _cast(g, ctx.scaling, fmt, weight=False)  # along N
             if ctx.health is not None:
                 block_health(ctx.health, "grad_output", g, g8)
             dx = fp8_gemm(g8, wt8, out_dtype=x_dtype, backend=ctx.backend)  # [M,N]·[K,N]ᵀ
             if ctx.input_comm is not None:
                 dx = ctx.input_comm.scatter_grad(dx)  # back to this rank's rows
         if need_w:
-            gt8 = _cast_t(g, ctx.scaling, fmt, weight=False)  # gᵀ, along M
             if ctx.health is not None and not need_x:  # the first layer: no dx, no g8
                 block_health(ctx.health, "grad_output", g.t(), gt8)
             out = torch.float32 if ctx.sink else w_dtype
@@ -186,4 +222,4 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             db = g.float().sum(0).to(b_dtype)
         # O1-O3: the FP32 weight gradient goes to the FP8 slot's sink, the weight gets none.
         dw, dsink = (None, dw) if ctx.sink else (dw, None)
-        return dx, dw, db, dsink, None, None, None, None, None
+        return dx, dw, db, dsink, None, None, None, None, None, None

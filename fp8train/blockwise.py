@@ -22,11 +22,15 @@ accumulator (``tests/test_blockwise.py`` checks it against float64 with the same
 A GEMM operand is cast in the layout its GEMM reduces over. ``quantize_operand`` casts
 ``x [R, C]`` along C, or (``transposed``) along R, writing ``xᵀ [C, R]`` contiguous (what the
 other GEMM of a linear reads), both computed from ``x`` in its own layout: no high-precision
-transposed copy. The two together are the cast unit of a row- or block-scaled tensor;
-compiled, the compiler fuses them into passes that read ``x`` once. Their scale grids come out
-in the layout cuBLASLt reads (``fp8train/block_scaled_mm.py``): 1 x 128 tiles' scales
-K-block-major (``[R, Kb]`` with strides ``(1, R)``), one scale per row ``[R, 1]``; the values
-are those of ``quantize_blocks`` bit for bit.
+transposed copy. The two together are the cast unit of a row- or block-scaled tensor: here
+two calls, each reading ``x`` (eagerly the transposed one also makes a 1-byte transposed copy;
+compiled, inductor generates their kernels, and how often they read ``x`` is its choice).
+This is the reference, and the path everywhere but CUDA: there, where triton imports, a linear
+binds ``triton_cast``, whose kernels write both orientations from one read of ``x`` (two for
+one scale per row), bit for bit these. The scale grids come out in the layout cuBLASLt
+reads (``fp8train/block_scaled_mm.py``): 1 x 128 tiles' scales K-block-major (``[R, Kb]``
+with strides ``(1, R)``), one scale per row ``[R, 1]``; the values are those of
+``quantize_blocks`` bit for bit.
 """
 
 from __future__ import annotations
@@ -268,7 +272,7 @@ def quantize_operand(
         amax = tiles.transpose(0, 1).abs().amax(-1)
     # Either way [Kb, rows] in memory: the same maxima and scale formula as quantize_blocks.
     scale = compute_scale(amax.float(), fmt, margin, power_of_two)
-    if transposed:  # eagerly a 1-byte transposed copy; compiled, the cast writes it so
+    if transposed:  # eagerly a 1-byte transposed copy; compiled, inductor may fold it into the cast
         data = cast_to_fp8(tiles, fmt, scale[:, None, :]).reshape(kb * bk, rows)[:k].t()
     else:
         data = cast_to_fp8(tiles, fmt, scale.t()[:, :, None]).reshape(rows, kb * bk)[:, :k]

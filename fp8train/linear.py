@@ -51,6 +51,7 @@ from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
 from .precision import PrecisionRecipe
 from .scaling import ScalingState, fold
 from .tensor import Float8Tensor
+from .triton_cast import bind as bind_cast_kernels
 
 __all__ = [
     "Fp8LinearFunction",
@@ -331,6 +332,8 @@ class Linear(nn.Module):
         # reads a string, so a compiled step holds no lookup of a global or the environment.
         self.gemm_backend: str | None = None
         self._backend_device: str | None = None
+        # Row/block casts by the Triton kernels (triton_cast), bound with the GEMM backend.
+        self.cast_kernels = False
         # The weight's FP8 cast, kept for the micro-batches of one step (weight_fp8):
         # reuse_weight_cast reads it; keep_weight_cast says later micro-batches will, so the
         # cast also writes the transpose that the input-gradient GEMM reads, kept with it.
@@ -417,6 +420,9 @@ class Linear(nn.Module):
             return
         self.gemm_backend = select_gemm_backend(kind)
         self._backend_device = kind
+        # The row/block cast unit: one read writes both orientations on CUDA where triton
+        # imports (triton_cast.bind); elsewhere blockwise.quantize_operand, as before.
+        self.cast_kernels = self.scaling.granularity != "tensor" and bind_cast_kernels(kind)
         if self.gemm_backend == "scaled_mm" and self.scaling.granularity != "tensor":
             # Known before any GEMM asks, compiled or not: the CPU's row-wise support, CUDA's
             # block-scaled kernel (probed once; a compiled GEMM never probes).
@@ -543,6 +549,7 @@ class Linear(nn.Module):
             getattr(self, "weight_scale_inv", None),
             input_comm,
             self.gemm_backend,
+            self.cast_kernels,
         )
         return y.reshape(*lead, self.out_features)
 

@@ -1,0 +1,278 @@
+"""The Triton kernels behind ``fp8train.triton_cast`` and the ``torch.library`` ops that run
+them. Imported only where triton is (``triton_cast.kernels``): this module imports it at the
+top, as ``@triton.jit`` needs.
+
+Every kernel reads a 128 x 128 tile of ``x [M, K]`` once and computes what
+``blockwise.quantize_operand`` computes, bit for bit:
+
+- the amax of a tile row or column, a NaN counted as inf (both take scale 1, and
+  ``tl.max`` may drop a NaN where ``torch.amax`` keeps it);
+- the scale of ``scaling.compute_scale``: ``max_value / amax`` correctly rounded
+  (``tl.div_rn``: Triton's ``/`` on fp32 is approximate on CUDA), rounded down to a power
+  of two by clearing the mantissa (a usable scale is a normal number, where ``frexp``'s
+  ``scale / (2 m)`` is exactly that), 1 where the amax lies outside ``[lowest, highest]``;
+- ``cast_to_fp8``: ``x * scale`` in fp32, clamped to the format's range by comparisons (a
+  NaN passes through, as ``clamp`` lets it), rounded to nearest even by the conversion;
+- ``scale_inv = 1 / scale`` correctly rounded, as ``Tensor.reciprocal``.
+
+Offsets are int64: a [16384, 131072] tensor has 2**31 elements. Only long-standing
+``triton.language`` calls: the GPU machine's torch brings an older triton than this one.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from .formats import E4M3, E5M2
+from .scaling import _amax_bounds
+
+__all__ = ["TILE", "cast_blocks", "cast_pair"]
+
+TILE = 128  # a program's tile: DeepSeek-V3's 1 x 128 tiles along either dimension
+_WARPS = 8  # 128 x 128 fp32 values over 256 threads: 64 registers each
+
+
+@triton.jit
+def _scale(amax, max_value, lowest, highest, POW2: tl.constexpr):
+    """``compute_scale`` of an amax tensor (1 outside [lowest, highest], NaN included)."""
+    scale = tl.div_rn(tl.zeros_like(amax) + max_value, amax)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where((amax >= lowest) & (amax <= highest), scale, 1.0)
+
+
+@triton.jit
+def _saturated(y, fmt_max):
+    """``clamp(y, -fmt_max, fmt_max)`` that keeps NaN (a comparison with NaN is false)."""
+    return tl.where(y > fmt_max, fmt_max, tl.where(y < -fmt_max, -fmt_max, y))
+
+
+@triton.jit
+def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    """This program's tile of ``x`` in fp32 (zeros outside ``x``: they raise no amax), its
+    |x| with NaN as inf, its offsets and mask."""
+    offs_m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    offs_k = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    ptrs = x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    a = tl.where(a == a, a, float("inf"))
+    return x, a, offs_m, offs_k, mask
+
+
+@triton.jit
+def _store_cast(out_ptr, offsets, mask, x, scale, fmt_max):
+    """``cast_to_fp8(x, fmt, scale)`` stored at ``out_ptr + offsets``."""
+    y = _saturated(x * scale, fmt_max)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_inv(out_ptr, offsets, mask, scale):
+    """``scale.reciprocal()``, correctly rounded, stored at ``out_ptr + offsets``."""
+    tl.store(out_ptr + offsets, tl.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=mask)
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr,
+    sxm,
+    sxk,
+    M,
+    K,
+    row_amax_ptr,
+    col_amax_ptr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # A max is exact in any order, so atomics give the bits of one reduction.
+    _, a, offs_m, offs_k, _ = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    if ROWS:
+        tl.atomic_max(row_amax_ptr + offs_m, tl.max(a, axis=1), mask=offs_m < M)
+    if COLS:
+        tl.atomic_max(col_amax_ptr + offs_k, tl.max(a, axis=0), mask=offs_k < K)
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    sxm,
+    sxk,
+    M,
+    K,
+    row_amax_ptr,
+    col_amax_ptr,
+    x8_ptr,
+    xt8_ptr,
+    sinv_ptr,
+    sinvt_ptr,
+    max_value,
+    lowest,
+    highest,
+    fmt_max,
+    ROWS: tl.constexpr,
+    POW2: tl.constexpr,
+    WRITE_X: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # Both orientations of one tile. 1 x 128 tiles (not ROWS): a tile row's amax scales x8's
+    # tile (scale_inv in row program_id(1) of sinv [Kb, M]), a tile column's xt8's (row
+    # program_id(0) of sinvt [Mb, K]). ROWS: one scale per row and per column, from pass
+    # 1's amaxes (_amax_kernel), each scale_inv stored by the first tile column or row.
+    x, a, offs_m, offs_k, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    if WRITE_X:
+        if ROWS:
+            amax = tl.load(row_amax_ptr + offs_m, mask=offs_m < M, other=0.0)
+        else:
+            amax = tl.max(a, axis=1)
+        scale = _scale(amax, max_value, lowest, highest, POW2)
+        out = offs_m[:, None] * K + offs_k[None, :]
+        _store_cast(x8_ptr, out, mask, x, scale[:, None], fmt_max)
+        if ROWS:
+            if tl.program_id(1) == 0:
+                _store_inv(sinv_ptr, offs_m, offs_m < M, scale)
+        else:
+            _store_inv(sinv_ptr, tl.program_id(1).to(tl.int64) * M + offs_m, offs_m < M, scale)
+    if WRITE_T:
+        if ROWS:
+            amax = tl.load(col_amax_ptr + offs_k, mask=offs_k < K, other=0.0)
+        else:
+            amax = tl.max(a, axis=0)
+        scale = _scale(amax, max_value, lowest, highest, POW2)
+        # xt8[k, m]: the compiler lays the stores out along m, where they are contiguous.
+        out = offs_k[None, :] * M + offs_m[:, None]
+        _store_cast(xt8_ptr, out, mask, x, scale[None, :], fmt_max)
+        if ROWS:
+            if tl.program_id(0) == 0:
+                _store_inv(sinvt_ptr, offs_k, offs_k < K, scale)
+        else:
+            _store_inv(sinvt_ptr, tl.program_id(0).to(tl.int64) * K + offs_k, offs_k < K, scale)
+
+
+@triton.jit
+def _blocks_kernel(
+    x_ptr,
+    sxm,
+    sxk,
+    M,
+    K,
+    x8_ptr,
+    xt8_ptr,
+    sinv_ptr,
+    max_value,
+    lowest,
+    highest,
+    fmt_max,
+    POW2: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # One scale per 128 x 128 block (a weight's): the block's bytes are cast once and stored
+    # as they are and, transposed, in xt8 [K, M] (the copy cuBLASLt's second operand reads).
+    x, a, offs_m, offs_k, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    scale = _scale(tl.max(tl.max(a, axis=1), axis=0), max_value, lowest, highest, POW2)
+    y = _saturated(x * scale, fmt_max).to(x8_ptr.dtype.element_ty)
+    tl.store(x8_ptr + offs_m[:, None] * K + offs_k[None, :], y, mask=mask)
+    if WRITE_T:
+        tl.store(xt8_ptr + offs_k[None, :] * M + offs_m[:, None], y, mask=mask)
+    block = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(sinv_ptr + block, tl.div_rn(scale * 0.0 + 1.0, scale))
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32, as ``torch.full_like`` rounds it: the kernels
+    take fp32 arguments, and the bounds must be the emulation's bits."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _constants(e5m2: bool, margin: int) -> tuple[float, float, float, float]:
+    """``(max_value, lowest, highest, fmt_max)`` of ``compute_scale`` for a format and margin."""
+    fmt = E5M2 if e5m2 else E4M3
+    max_value = fmt.max / 2.0**margin
+    lowest, highest = _amax_bounds(max_value)
+    return _fp32(max_value), _fp32(lowest), _fp32(highest), float(fmt.max)
+
+
+def _fp8(e5m2: bool) -> torch.dtype:
+    return (E5M2 if e5m2 else E4M3).dtype
+
+
+def _outputs(x, e5m2, write_x, write_t, kb, mb):
+    """``x8 [M, K]``, ``xt8 [K, M]`` and their scale_inv grids ``[Kb, M]``, ``[Mb, K]``, each
+    empty where it is not written."""
+    m, k = x.shape
+    dtype = _fp8(e5m2)
+    return (
+        torch.empty((m, k) if write_x else (0, 0), dtype=dtype, device=x.device),
+        torch.empty((k, m) if write_t else (0, 0), dtype=dtype, device=x.device),
+        torch.empty((kb, m) if write_x else (0, 0), dtype=torch.float32, device=x.device),
+        torch.empty((mb, k) if write_t else (0, 0), dtype=torch.float32, device=x.device),
+    )
+
+
+@triton_op("fp8train::cast_pair", mutates_args=())
+def cast_pair(
+    x: torch.Tensor,
+    rows: bool,
+    e5m2: bool,
+    margin: int,
+    power_of_two: bool,
+    write_x: bool,
+    write_t: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` cast along K (``x8``) and along M (``xt8 = x8ᵀ``, contiguous ``[K, M]``),
+    in 1 x 128 tiles (scale_inv ``[Kb, M]`` and ``[Mb, K]``) from one read of ``x``, or with
+    ``rows`` one scale per row and per column (scale_inv ``[1, M]`` and ``[1, K]``) from two:
+    one for both amaxes, one for both casts (a scale needs its whole row's amax first)."""
+    m, k = x.shape
+    mb, kb = (1, 1) if rows else (math.ceil(m / TILE), math.ceil(k / TILE))
+    x8, xt8, sinv, sinvt = _outputs(x, e5m2, write_x, write_t, kb, mb)
+    if not (m and k):
+        return x8, xt8, sinv, sinvt
+    grid = (math.ceil(m / TILE), math.ceil(k / TILE))
+    row_amax = col_amax = x  # not read by the 1 x 128 cast
+    if rows:
+        row_amax = torch.zeros(m if write_x else 0, dtype=torch.float32, device=x.device)
+        col_amax = torch.zeros(k if write_t else 0, dtype=torch.float32, device=x.device)
+        wrap_triton(_amax_kernel)[grid](
+            x, x.stride(0), x.stride(1), m, k, row_amax, col_amax,
+            ROWS=write_x, COLS=write_t, BM=TILE, BK=TILE, num_warps=_WARPS,
+        )  # fmt: skip
+    wrap_triton(_cast_kernel)[grid](
+        x, x.stride(0), x.stride(1), m, k, row_amax, col_amax, x8, xt8, sinv, sinvt,
+        *_constants(e5m2, margin),
+        ROWS=rows, POW2=power_of_two, WRITE_X=write_x, WRITE_T=write_t, BM=TILE, BK=TILE,
+        num_warps=_WARPS,
+    )  # fmt: skip
+    return x8, xt8, sinv, sinvt
+
+
+@triton_op("fp8train::cast_blocks", mutates_args=())
+def cast_blocks(
+    x: torch.Tensor, e5m2: bool, margin: int, power_of_two: bool, write_t: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` in 128 x 128 blocks: ``x8``, with ``write_t`` its bytes transposed
+    contiguous ``[K, M]`` (else empty), and the scale_inv grid ``[Mb, Kb]``."""
+    m, k = x.shape
+    mb, kb = math.ceil(m / TILE), math.ceil(k / TILE)
+    x8, xt8, _, _ = _outputs(x, e5m2, True, write_t, 0, 0)
+    sinv = torch.empty((mb, kb), dtype=torch.float32, device=x.device)
+    if m and k:
+        wrap_triton(_blocks_kernel)[(mb, kb)](
+            x, x.stride(0), x.stride(1), m, k, x8, xt8, sinv,
+            *_constants(e5m2, margin),
+            POW2=power_of_two, WRITE_T=write_t, BM=TILE, BK=TILE, num_warps=_WARPS,
+        )  # fmt: skip
+    return x8, xt8, sinv
