@@ -21,7 +21,6 @@ Offsets are int64: a [16384, 131072] tensor has 2**31 elements. Only long-standi
 
 from __future__ import annotations
 
-import math
 import struct
 
 import torch
@@ -205,6 +204,11 @@ def _constants(e5m2: bool, margin: int) -> tuple[float, float, float, float]:
     return _fp32(max_value), _fp32(lowest), _fp32(highest), float(fmt.max)
 
 
+def _tiles_along(n):
+    """``ceil(n / TILE)`` in integers: ``n`` may be a symbolic size under ``torch.compile``."""
+    return (n + TILE - 1) // TILE
+
+
 def _fp8(e5m2: bool) -> torch.dtype:
     return (E5M2 if e5m2 else E4M3).dtype
 
@@ -237,11 +241,11 @@ def cast_pair(
     ``rows`` one scale per row and per column (scale_inv ``[1, M]`` and ``[1, K]``) from two:
     one for both amaxes, one for both casts (a scale needs its whole row's amax first)."""
     m, k = x.shape
-    mb, kb = (1, 1) if rows else (math.ceil(m / TILE), math.ceil(k / TILE))
+    mb, kb = (1, 1) if rows else (_tiles_along(m), _tiles_along(k))
     x8, xt8, sinv, sinvt = _outputs(x, e5m2, write_x, write_t, kb, mb)
     if not (m and k):
         return x8, xt8, sinv, sinvt
-    grid = (math.ceil(m / TILE), math.ceil(k / TILE))
+    grid = (_tiles_along(m), _tiles_along(k))
     row_amax = col_amax = x  # not read by the 1 x 128 cast
     if rows:
         row_amax = torch.zeros(m if write_x else 0, dtype=torch.float32, device=x.device)
@@ -266,7 +270,7 @@ def cast_blocks(
     """``x [M, K]`` in 128 x 128 blocks: ``x8``, with ``write_t`` its bytes transposed
     contiguous ``[K, M]`` (else empty), and the scale_inv grid ``[Mb, Kb]``."""
     m, k = x.shape
-    mb, kb = math.ceil(m / TILE), math.ceil(k / TILE)
+    mb, kb = _tiles_along(m), _tiles_along(k)
     x8, xt8, _, _ = _outputs(x, e5m2, True, write_t, 0, 0)
     sinv = torch.empty((mb, kb), dtype=torch.float32, device=x.device)
     if m and k:

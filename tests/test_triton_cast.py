@@ -6,10 +6,13 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
   ``tests/triton_cast_cases.py`` (1 x 128 tiles and row scales both ways, 128 x 128 weight
   blocks with their transposed copy; E4M3 and E5M2, partial tiles, bf16, margins,
   power-of-two scales, a zero tile, inf/NaN) equals the emulation in bytes, scale bits and
-  layouts. Triton 3.9.0's interpreter rounds fp32 -> fp8 wrongly: a test shows the probe
-  that finds it and that the harness's patch (torch's cast) fixes it.
+  layouts; and a row- and block-scaled Linear step (te, O1, O3; emulated GEMMs and the
+  emulated block-scaled kernel, so Wᵀ is the weight kernel's copy) with the kernels equals
+  the step with the torch cast, bit for bit (eager: a traced kernel call under the
+  interpreter reads fake data). Triton 3.9.0's interpreter rounds fp32 -> fp8 wrongly: a
+  test shows the probe that finds it and that the harness's patch (torch's cast) fixes it.
 - On fake and meta tensors the ops only allocate, in the emulation's shapes and layouts, and
-  trace as one graph with no break.
+  trace as one graph with no break, symbolic sizes included.
 - The binding: the torch ops on the CPU and meta, the kernels on CUDA (sm_90+).
 - CUDA only (skipped here): the cases again on the device, with a GPT-1.3B-sized tensor of
   each kind; a row- and block-scaled Linear step with the kernels bound equals the step
@@ -31,7 +34,6 @@ from fp8train import triton_cast
 from fp8train.blockwise import quantize_operand
 from fp8train.formats import E4M3, E5M2
 from fp8train.gemm_backend import set_gemm_backend
-from fp8train.param_state import grad_value
 from tests.test_block_compile import _linear  # a 256 -> 384 layer, level@granularity
 
 pytestmark = pytest.mark.skipif(not triton_cast.available(), reason="triton is not installed")
@@ -100,6 +102,15 @@ def test_the_ops_trace_as_one_graph_on_meta():
     explained = dynamo.explain(unit)(torch.empty(256, 384, device="meta"))
     reasons = [str(b.reason)[:200] for b in explained.break_reasons]
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+    # Symbolic sizes (a compiled step whose token count varies) size the outputs too.
+    dynamic = torch.compile(unit, fullgraph=True, dynamic=True, backend="aot_eager")
+    for m, k in ((256, 384), (300, 200)):
+        x8, sinv, xt8, sinvt, w8, wt8 = dynamic(torch.empty(m, k, device="meta"))
+        assert (sinv.shape, sinvt.shape, wt8.shape) == (
+            (m, -(-k // 128)),
+            (k, -(-m // 128)),
+            (k, m),
+        )
     assert hasattr(torch.ops.fp8train, "cast_pair") and hasattr(torch.ops.fp8train, "cast_blocks")
 
 
@@ -121,34 +132,22 @@ def test_the_kernels_equal_the_emulation_on_cuda():
     assert not wrong, json.dumps(wrong, indent=1)
 
 
-def _step(layer, compiled=False):
-    """One forward and backward on a bf16 input: output, input grad, parameter grads."""
-    x = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(1))
-    x = x.to("cuda", torch.bfloat16).requires_grad_()
-    run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
-    y = run(x)
-    y.float().square().sum().backward()
-    grads = [grad_value(p) for p in (layer.weight, layer.bias)]
-    return [y, x.grad, *grads]
-
-
 @needs_cuda
-@pytest.mark.parametrize("backend", ["emulated", "scaled_mm"])
-@pytest.mark.parametrize("spec", ["te@block", "O3@block", "te@row", "O1@row"])
-def test_a_linear_step_with_the_kernels_equals_the_torch_cast(spec, backend):
-    import torch._dynamo as dynamo
+def test_a_linear_step_with_the_kernels_equals_the_torch_cast_on_cuda():
+    from tests.triton_cast_cases import LINEARS, linear_step
 
-    torch_cast = _linear(spec, backend, "cuda", torch.bfloat16)
-    torch_cast.cast_kernels = False
-    want = _step(torch_cast)
-    for compiled in (False, True):  # a fresh layer each: O1-O3 accumulate into FP8 slots
-        kernels = _linear(spec, backend, "cuda", torch.bfloat16)
-        assert kernels.cast_kernels is True
-        dynamo.reset()
-        got = _step(kernels, compiled)
-        for name, a, b in zip(("y", "dx", "dW", "db"), got, want):
-            assert (a is None) == (b is None), name
-            assert a is None or torch.equal(a, b), f"{name} compiled={compiled}"
+    wrong = {f"{s} {b}": found for s, b in LINEARS if (found := linear_step(s, b, "cuda"))}
+    assert not wrong, json.dumps(wrong, indent=1)
+
+
+def test_a_linear_step_with_the_kernels_equals_the_torch_cast_under_the_interpreter(
+    interpreted,
+):
+    from tests.triton_cast_cases import LINEARS
+
+    assert set(interpreted["linears"]) == {f"{s} {b}" for s, b in LINEARS}
+    wrong = {name: found for name, found in interpreted["linears"].items() if found}
+    assert not wrong, json.dumps(wrong, indent=1)
 
 
 @needs_cuda

@@ -9,12 +9,15 @@ Triton's interpreter (in a process of its own), the CUDA tests in the pytest pro
 from __future__ import annotations
 
 import torch
+import torch._dynamo as dynamo
 
 from fp8train import triton_cast
 from fp8train.blockwise import WEIGHT_BLOCK, BlockFloat8Tensor, quantize_operand
 from fp8train.formats import E4M3, E5M2
+from fp8train.param_state import grad_value
+from tests.test_block_compile import _linear  # a 256 -> 384 layer, level@granularity
 
-__all__ = ["CASES", "CUDA_CASES", "differences", "operand"]
+__all__ = ["CASES", "CUDA_CASES", "LINEARS", "differences", "linear_step", "operand"]
 
 
 def differences(name: str, got: BlockFloat8Tensor, want: BlockFloat8Tensor) -> list[str]:
@@ -147,3 +150,50 @@ CUDA_CASES = {
     ),
     "weight e4m3 2048x8192": lambda d: check_weight((2048, 8192), E4M3, device=d),
 }
+
+
+def _step(layer, device, compiled: bool) -> list[torch.Tensor | None]:
+    """One forward and backward on a bf16 input: output, input grad, parameter grads."""
+    x = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(1))
+    x = x.to(device, torch.bfloat16).requires_grad_()
+    run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    y = run(x)
+    y.float().square().sum().backward()
+    return [y, x.grad, grad_value(layer.weight), grad_value(layer.bias)]
+
+
+def linear_step(
+    spec: str, backend: str, device, kernels: bool | None = None, compiled=(False, True)
+) -> list[str]:
+    """A bf16 ``Linear`` step (``spec``: level@granularity) with the cast kernels against the
+    same step with the torch cast, eager and compiled (``fullgraph=True``, ``aot_eager``: the
+    traced operations run as eager runs them); the differences, none: bit for bit.
+    ``kernels``: set the layer's binding (the CPU binds the torch cast); None: as bound.
+    ``compiled``: which to run (Triton's interpreter runs eager only: a traced kernel call
+    under it reads the data of fake tensors)."""
+    reference = _linear(spec, backend, device, torch.bfloat16)
+    reference.cast_kernels = False
+    want = _step(reference, device, False)
+    out = []
+    for traced in compiled:  # a fresh layer each: O1-O3 accumulate into FP8 slots
+        layer = _linear(spec, backend, device, torch.bfloat16)
+        if kernels is not None:
+            layer.cast_kernels = kernels
+        if layer.cast_kernels is not True:
+            return [f"the kernels are not bound on {device}"]
+        dynamo.reset()
+        got = _step(layer, device, traced)
+        for name, a, b in zip(("y", "dx", "dW", "db"), got, want):
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                out.append(f"{name} compiled={traced} differs")
+    return out
+
+
+# (spec, GEMM backend) of the Linear steps: both granularities, a stored FP8 weight (O3), an
+# FP8 weight gradient slot (O1, O3), the emulated GEMMs and the kernels' (on the CPU the
+# emulated block-scaled kernel stands in for cuBLASLt's: Wᵀ is then the kernels' copy).
+LINEARS = [
+    (spec, backend)
+    for spec in ("te@block", "O3@block", "te@row", "O1@row")
+    for backend in ("emulated", "scaled_mm")
+]

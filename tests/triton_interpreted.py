@@ -29,8 +29,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from fp8train import block_scaled_mm as bsm  # noqa: E402
 from fp8train.formats import E4M3, E5M2  # noqa: E402
-from tests.triton_cast_cases import CASES  # noqa: E402
+from tests.triton_cast_cases import CASES, LINEARS, linear_step  # noqa: E402
 
 # Values whose fp32 -> fp8 rounding the defect gets wrong: a carry into the next binade
 # (1.983 -> 2.0 in E4M3, 1.9 -> 2.0 in E5M2), a tie to even (1.0625 -> 1.0 in E4M3).
@@ -79,6 +80,13 @@ def main() -> None:
         patch_interpreter()
     report = {"defect": defect, "patched_defect": interpreter_defect() if defect else {}}
     report["cases"] = {name: check("cpu") for name, check in CASES.items()}
+    # The emulated block-scaled kernel bound for the CPU, as tests/test_block_compile.py does:
+    # the layouts cuBLASLt reads, so the weight kernel writes Wᵀ's copy.
+    bsm._bound["cpu"] = bsm.BlockKernel((torch.bfloat16, torch.float32), True, "emulated")
+    bsm._scaled_mm = bsm.emulated_scaled_mm
+    report["linears"] = {
+        f"{s} {b}": linear_step(s, b, "cpu", kernels=True, compiled=(False,)) for s, b in LINEARS
+    }
     print(json.dumps(report))
 
 
