@@ -61,8 +61,9 @@ def kernels() -> ModuleType:
 def bind(device: torch.device | str) -> bool:
     """Whether casts on ``device`` run the kernels: on CUDA sm_90 or newer where triton
     imports, registering the ops now, at build time, not in a traced step. Elsewhere (the
-    CPU, meta, older GPUs) False: ``blockwise.quantize_operand``. Not sm_89: there Triton
-    converts fp32 to FP8 through fp16, two roundings; sm_90 rounds once (``cvt.rn.satfinite``)."""
+    CPU, meta, older GPUs) False: ``blockwise.quantize_operand``. Not sm_89: Triton has
+    lowered fp32 -> FP8 there through fp16 (two roundings), which would break bit equality;
+    Hopper is what the kernels are for and where they are tested."""
     device = torch.device(device)
     if device.type != "cuda" or not available() or _device.cuda_capability(device) < (9, 0):
         return False
@@ -92,8 +93,8 @@ def quantize_pair(
     if not any(write):
         return None, None
     m, k = x.shape
-    rows = granularity == "row"
-    x8, xt8, sinv, sinvt = kernels().cast_pair(x, rows, fmt is E5M2, margin, power_of_two, *write)
+    e5m2, per_row = fmt.dtype == E5M2.dtype, granularity == "row"
+    x8, xt8, sinv, sinvt = kernels().cast_pair(x, per_row, e5m2, margin, power_of_two, *write)
     out = []
     for data, grid, (rows, cols), wanted in (
         (x8, sinv, (m, k), write[0]),
@@ -115,7 +116,8 @@ def quantize_weight(
     transpose with the bytes contiguous (``block_linear._transposed(w8, layouts=True)``),
     from one read of ``w``; else ``wt8`` is None."""
     block = fit_block(WEIGHT_BLOCK, tuple(w.shape))
-    w8, wt8, sinv = kernels().cast_blocks(w, fmt is E5M2, margin, power_of_two, transposed)
+    e5m2 = fmt.dtype == E5M2.dtype
+    w8, wt8, sinv = kernels().cast_blocks(w, e5m2, margin, power_of_two, transposed)
     q = BlockFloat8Tensor(w8, sinv, fmt, block)
     if not transposed:
         return q, None

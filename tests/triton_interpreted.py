@@ -3,12 +3,13 @@ interpreter on the CPU, in a process of their own: ``TRITON_INTERPRET=1`` must b
 triton decorates a kernel, and the pytest process may have decorated them already (on CUDA).
 
 ``python tests/triton_interpreted.py`` prints one JSON object: the interpreter defect found
-(``defect``: what the unpatched conversion gives for the probes) and, per case, a list of
-mismatches with ``blockwise.quantize_operand`` (empty: bit for bit the same).
+(``defect``: what the unpatched conversion gives for the probes), per case of
+``tests/triton_cast_cases.py`` the mismatches with ``blockwise.quantize_operand`` and per
+Linear step those with the torch cast's step (empty: bit for bit the same).
 
 Triton 3.9.0's interpreter converts fp32 to fp8 by truncating the mantissa and adding the
 cut-off bit without carrying it into the exponent (1.983 -> 1.0 in E4M3, not 2.0), and rounds
-ties away from zero. The GPU rounds correctly (``cvt.rn.satfinite``). Only where the probe
+ties away from zero; on the GPU Triton rounds to nearest even, as torch does. Only where the probe
 shows the defect is the interpreter's conversion replaced, for fp32 -> fp8 alone, by torch's
 correctly rounded cast: the harness is patched, never the kernel.
 """
