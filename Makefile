@@ -9,7 +9,7 @@ CONFIG ?= configs/$(MODEL)_tiny.yaml
 # Restarts after a dead rank resume from the latest checkpoint (training/launcher.py).
 MAX_RESTARTS ?= 0
 
-.PHONY: venv train test lint bench clean
+.PHONY: venv train test lint clean
 
 venv: $(STAMP)
 
