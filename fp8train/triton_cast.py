@@ -61,9 +61,9 @@ def kernels() -> ModuleType:
 def bind(device: torch.device | str) -> bool:
     """Whether casts on ``device`` run the kernels: on CUDA sm_90 or newer where triton
     imports, registering the ops now, at build time, not in a traced step. Elsewhere (the
-    CPU, meta, older GPUs) False: ``blockwise.quantize_operand``. Not sm_89: Triton has
-    lowered fp32 -> FP8 there through fp16 (two roundings), which would break bit equality;
-    Hopper is what the kernels are for and where they are tested."""
+    CPU, meta, older GPUs) False: ``blockwise.quantize_operand``. Not sm_89: some Triton
+    releases lower fp32 -> FP8 there through fp16 (two roundings: not the emulation's bits);
+    Hopper is what the kernels are for, and its lowering is what the tests check."""
     device = torch.device(device)
     if device.type != "cuda" or not available() or _device.cuda_capability(device) < (9, 0):
         return False

@@ -15,7 +15,8 @@ Every kernel reads a 128 x 128 tile of ``x [M, K]`` once and computes what
   NaN passes through, as ``clamp`` lets it), rounded to nearest even by the conversion;
 - ``scale_inv = 1 / scale`` correctly rounded, as ``Tensor.reciprocal``.
 
-Offsets are int64: a [16384, 131072] tensor has 2**31 elements. Only long-standing
+Tile bases are int64 (a [16384, 131072] tensor has 2**31 elements), offsets within a tile
+int32. Only long-standing
 ``triton.language`` calls: the GPU machine's torch brings an older triton than this one.
 """
 
@@ -34,7 +35,11 @@ from .scaling import _amax_bounds
 __all__ = ["TILE", "cast_blocks", "cast_pair"]
 
 TILE = 128  # a program's tile: DeepSeek-V3's 1 x 128 tiles along either dimension
-_WARPS = 8  # 128 x 128 fp32 values over 256 threads: 64 registers each
+# 16 warps: a 128 x 128 tile then fits in registers without spilling (ptxas for sm_90, bf16
+# and fp32 input: at most 128 registers a thread, no stack; 8 warps spill). With one scale
+# per row the cast's tile size is free: 64 rows keep it below that too.
+_WARPS = 16
+_ROWS_BM = 64
 
 
 @triton.jit
@@ -54,22 +59,27 @@ def _saturated(y, fmt_max):
 
 @triton.jit
 def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr):
-    """This program's tile of ``x`` in fp32 (zeros outside ``x``: they raise no amax), its
-    |x| with NaN as inf, its offsets and mask."""
-    offs_m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    offs_k = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    ptrs = x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    """This program's tile of ``x`` as stored (zeros outside ``x``: they raise no amax), its
+    |x| with NaN as inf, where it starts (``m0``, ``k0``: int64 scalars), the int32 row and
+    column indices within it and the mask. Registers bound a 128 x 128 tile: the values stay
+    in their 16-bit dtype until a cast widens them (|x| and its maxima are exact in any
+    float dtype), and offsets within a tile stay int32; only the scalar bases are int64, for
+    tensors beyond 2**31 elements."""
+    m0 = tl.program_id(0).to(tl.int64) * BM
+    k0 = tl.program_id(1).to(tl.int64) * BK
+    rm, rk = tl.arange(0, BM), tl.arange(0, BK)
+    mask = (rm[:, None] < (M - m0).to(tl.int32)) & (rk[None, :] < (K - k0).to(tl.int32))
+    tile = x_ptr + m0 * sxm + k0 * sxk
+    x = tl.load(tile + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
     a = tl.abs(x)
     a = tl.where(a == a, a, float("inf"))
-    return x, a, offs_m, offs_k, mask
+    return x, a, m0, k0, rm, rk, mask
 
 
 @triton.jit
 def _store_cast(out_ptr, offsets, mask, x, scale, fmt_max):
-    """``cast_to_fp8(x, fmt, scale)`` stored at ``out_ptr + offsets``."""
-    y = _saturated(x * scale, fmt_max)
+    """``cast_to_fp8(x, fmt, scale)`` stored at ``out_ptr + offsets``: the product in fp32."""
+    y = _saturated(x.to(tl.float32) * scale, fmt_max)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -94,11 +104,13 @@ def _amax_kernel(
     BK: tl.constexpr,
 ):
     # A max is exact in any order, so atomics give the bits of one reduction.
-    _, a, offs_m, offs_k, _ = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    _, a, m0, k0, rm, rk, _ = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
     if ROWS:
-        tl.atomic_max(row_amax_ptr + offs_m, tl.max(a, axis=1), mask=offs_m < M)
+        amax = tl.max(a, axis=1).to(tl.float32)
+        tl.atomic_max(row_amax_ptr + m0 + rm, amax, mask=rm < M - m0)
     if COLS:
-        tl.atomic_max(col_amax_ptr + offs_k, tl.max(a, axis=0), mask=offs_k < K)
+        amax = tl.max(a, axis=0).to(tl.float32)
+        tl.atomic_max(col_amax_ptr + k0 + rk, amax, mask=rk < K - k0)
 
 
 @triton.jit
@@ -129,34 +141,35 @@ def _cast_kernel(
     # tile (scale_inv in row program_id(1) of sinv [Kb, M]), a tile column's xt8's (row
     # program_id(0) of sinvt [Mb, K]). ROWS: one scale per row and per column, from pass
     # 1's amaxes (_amax_kernel), each scale_inv stored by the first tile column or row.
-    x, a, offs_m, offs_k, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    x, a, m0, k0, rm, rk, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    # Both amaxes before either cast, so that |x| is dead while the casts run.
+    if ROWS:
+        amax_x = tl.load(row_amax_ptr + m0 + rm, mask=(rm < M - m0) & WRITE_X, other=0.0)
+        amax_t = tl.load(col_amax_ptr + k0 + rk, mask=(rk < K - k0) & WRITE_T, other=0.0)
+    else:
+        amax_x = tl.max(a, axis=1).to(tl.float32)
+        amax_t = tl.max(a, axis=0).to(tl.float32)
     if WRITE_X:
-        if ROWS:
-            amax = tl.load(row_amax_ptr + offs_m, mask=offs_m < M, other=0.0)
-        else:
-            amax = tl.max(a, axis=1)
-        scale = _scale(amax, max_value, lowest, highest, POW2)
-        out = offs_m[:, None] * K + offs_k[None, :]
-        _store_cast(x8_ptr, out, mask, x, scale[:, None], fmt_max)
+        scale = _scale(amax_x, max_value, lowest, highest, POW2)
+        out = x8_ptr + m0 * K + k0
+        _store_cast(out, rm[:, None] * K + rk[None, :], mask, x, scale[:, None], fmt_max)
         if ROWS:
             if tl.program_id(1) == 0:
-                _store_inv(sinv_ptr, offs_m, offs_m < M, scale)
+                _store_inv(sinv_ptr + m0, rm, rm < M - m0, scale)
         else:
-            _store_inv(sinv_ptr, tl.program_id(1).to(tl.int64) * M + offs_m, offs_m < M, scale)
+            inv = sinv_ptr + tl.program_id(1).to(tl.int64) * M + m0
+            _store_inv(inv, rm, rm < M - m0, scale)
     if WRITE_T:
-        if ROWS:
-            amax = tl.load(col_amax_ptr + offs_k, mask=offs_k < K, other=0.0)
-        else:
-            amax = tl.max(a, axis=0)
-        scale = _scale(amax, max_value, lowest, highest, POW2)
+        scale = _scale(amax_t, max_value, lowest, highest, POW2)
         # xt8[k, m]: the compiler lays the stores out along m, where they are contiguous.
-        out = offs_k[None, :] * M + offs_m[:, None]
-        _store_cast(xt8_ptr, out, mask, x, scale[None, :], fmt_max)
+        out = xt8_ptr + k0 * M + m0
+        _store_cast(out, rk[None, :] * M + rm[:, None], mask, x, scale[None, :], fmt_max)
         if ROWS:
             if tl.program_id(0) == 0:
-                _store_inv(sinvt_ptr, offs_k, offs_k < K, scale)
+                _store_inv(sinvt_ptr + k0, rk, rk < K - k0, scale)
         else:
-            _store_inv(sinvt_ptr, tl.program_id(0).to(tl.int64) * K + offs_k, offs_k < K, scale)
+            inv = sinvt_ptr + tl.program_id(0).to(tl.int64) * K + k0
+            _store_inv(inv, rk, rk < K - k0, scale)
 
 
 @triton.jit
@@ -180,12 +193,13 @@ def _blocks_kernel(
 ):
     # One scale per 128 x 128 block (a weight's): the block's bytes are cast once and stored
     # as they are and, transposed, in xt8 [K, M] (the copy cuBLASLt's second operand reads).
-    x, a, offs_m, offs_k, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
-    scale = _scale(tl.max(tl.max(a, axis=1), axis=0), max_value, lowest, highest, POW2)
-    y = _saturated(x * scale, fmt_max).to(x8_ptr.dtype.element_ty)
-    tl.store(x8_ptr + offs_m[:, None] * K + offs_k[None, :], y, mask=mask)
+    x, a, m0, k0, rm, rk, mask = _tile(x_ptr, sxm, sxk, M, K, BM, BK)
+    amax = tl.max(tl.max(a, axis=1), axis=0).to(tl.float32)
+    scale = _scale(amax, max_value, lowest, highest, POW2)
+    y = _saturated(x.to(tl.float32) * scale, fmt_max).to(x8_ptr.dtype.element_ty)
+    tl.store(x8_ptr + m0 * K + k0 + rm[:, None] * K + rk[None, :], y, mask=mask)
     if WRITE_T:
-        tl.store(xt8_ptr + offs_k[None, :] * M + offs_m[:, None], y, mask=mask)
+        tl.store(xt8_ptr + k0 * M + m0 + rk[None, :] * M + rm[:, None], y, mask=mask)
     block = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     tl.store(sinv_ptr + block, tl.div_rn(scale * 0.0 + 1.0, scale))
 
@@ -254,10 +268,11 @@ def cast_pair(
             x, x.stride(0), x.stride(1), m, k, row_amax, col_amax,
             ROWS=write_x, COLS=write_t, BM=TILE, BK=TILE, num_warps=_WARPS,
         )  # fmt: skip
-    wrap_triton(_cast_kernel)[grid](
+    bm = _ROWS_BM if rows else TILE
+    wrap_triton(_cast_kernel)[((m + bm - 1) // bm, grid[1])](
         x, x.stride(0), x.stride(1), m, k, row_amax, col_amax, x8, xt8, sinv, sinvt,
         *_constants(e5m2, margin),
-        ROWS=rows, POW2=power_of_two, WRITE_X=write_x, WRITE_T=write_t, BM=TILE, BK=TILE,
+        ROWS=rows, POW2=power_of_two, WRITE_X=write_x, WRITE_T=write_t, BM=bm, BK=TILE,
         num_warps=_WARPS,
     )  # fmt: skip
     return x8, xt8, sinv, sinvt

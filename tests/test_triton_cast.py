@@ -11,6 +11,8 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
   the step with the torch cast, bit for bit (eager: a traced kernel call under the
   interpreter reads fake data). Triton 3.9.0's interpreter rounds fp32 -> fp8 wrongly: a
   test shows the probe that finds it and that the harness's patch (torch's cast) fixes it.
+- Compiled for sm_90 here (triton's own ptxas, no GPU): one correctly rounded fp32 -> FP8
+  conversion, IEEE division only, no register spill.
 - On fake and meta tensors the ops only allocate, in the emulation's shapes and layouts, and
   trace as one graph with no break, symbolic sizes included.
 - The binding: the torch ops on the CPU and meta, the kernels on CUDA (sm_90+).
@@ -22,9 +24,12 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tempfile
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +44,8 @@ from tests.test_block_compile import _linear  # a 256 -> 384 layer, level@granul
 pytestmark = pytest.mark.skipif(not triton_cast.available(), reason="triton is not installed")
 
 CUDA = torch.cuda.is_available() and triton_cast.bind("cuda")
+TRITON = version("triton") if triton_cast.available() else None
+PTX_FP8 = {"fp8e4nv": "e4m3", "fp8e5": "e5m2"}  # Triton's FP8 type -> PTX's
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,7 @@ def interpreted() -> dict:
 def test_the_interpreter_defect_is_found_and_patched(interpreted):
     # The probes' bytes from the unpatched interpreter: 1.983 -> 0x38 (1.0) in E4M3 where
     # torch (and the GPU) give 0x40 (2.0). A triton without the defect patches nothing.
-    if version("triton") == "3.9.0":
+    if TRITON == "3.9.0":
         assert interpreted["defect"]["e4m3"][0] == 0x38, interpreted["defect"]
         assert torch.tensor(1.983).to(E4M3.dtype).view(torch.uint8).item() == 0x40
     assert interpreted["patched_defect"] == {}
@@ -112,6 +119,60 @@ def test_the_ops_trace_as_one_graph_on_meta():
             (k, m),
         )
     assert hasattr(torch.ops.fp8train, "cast_pair") and hasattr(torch.ops.fp8train, "cast_blocks")
+
+
+def _lowered(kernel, fp8: str, constexprs: dict) -> tuple[str, str]:
+    """``kernel`` compiled for sm_90 here, without a GPU (triton's own ptxas): its PTX and
+    cuobjdump's resource usage (registers, stack, local memory)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {"x_ptr": "*bf16", "x8_ptr": f"*{fp8}", "xt8_ptr": f"*{fp8}"}
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = types.get(name, "*fp32")
+        else:
+            signature[name] = "i32" if name in ("sxm", "sxk", "M", "K") else "fp32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": triton_cast.kernels()._WARPS}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True)
+    return compiled.asm["ptx"], usage.stdout
+
+
+@pytest.mark.skipif(TRITON != "3.9.0", reason="ASTSource's signature format is triton 3.9.0's")
+def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
+    # What the interpreter cannot show: the GPU's code. fp32 -> FP8 in one correctly rounded
+    # conversion (no fp16 step), IEEE division (Triton's "/" is div.full, approximate), and
+    # a tile that fits in registers (a spill to the stack costs bandwidth).
+    k = triton_cast.kernels()
+    flags = {"POW2": True, "BK": k.TILE}
+    kernels = [
+        (k._cast_kernel, "fp8e4nv", {**flags, "ROWS": False, "WRITE_X": True, "WRITE_T": True}),
+        (k._cast_kernel, "fp8e5", {**flags, "ROWS": True, "WRITE_X": True, "WRITE_T": True}),
+        (k._blocks_kernel, "fp8e4nv", {**flags, "WRITE_T": True}),
+        (k._amax_kernel, "fp8e4nv", {"ROWS": True, "COLS": True, "BK": k.TILE}),
+    ]
+    for kernel, fp8, constexprs in kernels:
+        rows = constexprs.get("ROWS") and kernel is k._cast_kernel
+        ptx, usage = _lowered(kernel, fp8, {**constexprs, "BM": k._ROWS_BM if rows else k.TILE})
+        name = f"{kernel.fn.__name__} {constexprs}"
+        assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), name + usage
+        if kernel is k._amax_kernel:
+            continue
+        conversions = set(re.findall(r"cvt\.[\w.]+", ptx))
+        assert f"cvt.rn.satfinite.{PTX_FP8[fp8]}x2.f32" in conversions, name
+        assert not any(".f16.f32" in c for c in conversions), f"{name}: {conversions}"
+        divisions = set(re.findall(r"div\.[\w.]+", ptx))
+        assert divisions == {"div.rn.f32"}, f"{name}: {divisions}"
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
