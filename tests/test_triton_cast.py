@@ -12,7 +12,7 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
   interpreter reads fake data). Triton 3.9.0's interpreter rounds fp32 -> fp8 wrongly: a
   test shows the probe that finds it and that the harness's patch (torch's cast) fixes it.
 - Compiled for sm_90 here (triton's own ptxas, no GPU): one correctly rounded fp32 -> FP8
-  conversion, IEEE division only, no register spill.
+  conversion, IEEE division only, no register spill, 16-byte loads and stores.
 - On fake and meta tensors the ops only allocate, in the emulation's shapes and layouts, and
   trace as one graph with no break, symbolic sizes included.
 - The binding: the torch ops on the CPU and meta, the kernels on CUDA (sm_90+).
@@ -122,22 +122,27 @@ def test_the_ops_trace_as_one_graph_on_meta():
 
 
 def _lowered(kernel, fp8: str, constexprs: dict) -> tuple[str, str]:
-    """``kernel`` compiled for sm_90 here, without a GPU (triton's own ptxas): its PTX and
+    """``kernel`` compiled for sm_90 here, without a GPU (triton's own ptxas), specialized as
+    the JIT specializes a launch on a contiguous bf16 ``x`` whose sizes are multiples of 16
+    (unit stride a constant; pointers, row stride and sizes divisible by 16): its PTX and
     cuobjdump's resource usage (registers, stack, local memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     types = {"x_ptr": "*bf16", "x8_ptr": f"*{fp8}", "xt8_ptr": f"*{fp8}"}
-    signature = {}
-    for name in kernel.arg_names:
+    constexprs = {**constexprs, "sxk": 1}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name.endswith("_ptr") or name in ("sxm", "M", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = types.get(name, "*fp32")
         else:
             signature[name] = "i32" if name in ("sxm", "sxk", "M", "K") else "fp32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": triton_cast.kernels()._WARPS}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -151,8 +156,9 @@ def _lowered(kernel, fp8: str, constexprs: dict) -> tuple[str, str]:
 @pytest.mark.skipif(TRITON != "3.9.0", reason="ASTSource's signature format is triton 3.9.0's")
 def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
     # What the interpreter cannot show: the GPU's code. fp32 -> FP8 in one correctly rounded
-    # conversion (no fp16 step), IEEE division (Triton's "/" is div.full, approximate), and
-    # a tile that fits in registers (a spill to the stack costs bandwidth).
+    # conversion (no fp16 step), IEEE division (Triton's "/" is div.full, approximate), a
+    # tile that fits in registers (a spill to the stack costs bandwidth), and 16-byte loads
+    # and stores (the transposed tile goes through shared memory, not out byte by byte).
     k = triton_cast.kernels()
     flags = {"POW2": True, "BK": k.TILE}
     kernels = [
@@ -166,6 +172,8 @@ def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
         ptx, usage = _lowered(kernel, fp8, {**constexprs, "BM": k._ROWS_BM if rows else k.TILE})
         name = f"{kernel.fn.__name__} {constexprs}"
         assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), name + usage
+        memory = set(re.findall(r"(?:ld|st)\.global[\w.]*", ptx))
+        assert "ld.global.v4.b32" in memory and "st.global.b8" not in memory, f"{name}: {memory}"
         if kernel is k._amax_kernel:
             continue
         conversions = set(re.findall(r"cvt\.[\w.]+", ptx))
