@@ -15,7 +15,9 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
   conversion, IEEE division only, no register spill, 16-byte loads and stores.
 - On fake and meta tensors the ops only allocate, in the emulation's shapes and layouts, and
   trace as one graph with no break, symbolic sizes included.
-- The binding: the torch ops on the CPU and meta, the kernels on CUDA (sm_90+).
+- With the kernels bound, a Linear step dispatches them (one per tensor and its transpose)
+  and none of the torch cast's operators; the binding: the torch ops on the CPU and meta,
+  the kernels on CUDA (sm_90+).
 - CUDA only (skipped here): the cases again on the device, with a GPT-1.3B-sized tensor of
   each kind; a row- and block-scaled Linear step with the kernels bound equals the step
   with the torch cast, bit for bit, eager and compiled (``fullgraph=True``).
@@ -28,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from importlib.metadata import version
 from pathlib import Path
 
@@ -181,6 +184,40 @@ def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
         assert not any(".f16.f32" in c for c in conversions), f"{name}: {conversions}"
         divisions = set(re.findall(r"div\.[\w.]+", ptx))
         assert divisions == {"div.rn.f32"}, f"{name}: {divisions}"
+
+
+@pytest.mark.parametrize(
+    "spec, casts",
+    [
+        # x and g: one cast_pair each (both orientations); the weight's blocks and Wᵀ's copy
+        # one cast_blocks; at row the weight is one more cast_pair.
+        ("te@block", {"fp8train.cast_pair": 2, "fp8train.cast_blocks": 1}),
+        ("te@row", {"fp8train.cast_pair": 3}),
+    ],
+)
+def test_with_the_kernels_bound_a_step_casts_through_them_alone(spec, casts):
+    # Bits cannot tell the kernels from the torch cast: the operators a step dispatches can.
+    # On meta (the ops only allocate there) with the kernel GEMMs a plan assumes.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Operators(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    for kernels in (True, False):
+        layer = _linear(spec, "scaled_mm", "meta", torch.bfloat16)
+        layer.cast_kernels = kernels
+        x = torch.empty(2, 128, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        with Operators() as ops:
+            layer(x).float().sum().backward()
+        ours = {op: n for op, n in ops.seen.items() if op.startswith("fp8train.")}
+        # The torch cast's tile maxima (aten.amax) are gone with the kernels, none left over.
+        assert (ours, ops.seen["aten.amax"] == 0) == ((casts, True) if kernels else ({}, False))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
