@@ -62,11 +62,15 @@ def operand(shape, seed, special=None, dtype=torch.float32, device="cpu") -> tor
 
 def check_pair(
     shape, fmt, granularity, margin=0, pow2=False, special=None, dtype=None, device="cpu",
-    alone=False,
+    alone=False, strided=False,
 ):  # fmt: skip
     """``quantize_pair`` against ``quantize_operand`` of x and, transposed, of xᵀ, written
-    together and (``alone``) each without the other."""
-    x = operand(shape, sum(shape), special, dtype or torch.float32, device)
+    together and (``alone``) each without the other; ``strided``: x a transposed view (a
+    gradient autograd hands over need not be contiguous)."""
+    if strided:
+        x = operand(shape[::-1], sum(shape), special, dtype or torch.float32, device).t()
+    else:
+        x = operand(shape, sum(shape), special, dtype or torch.float32, device)
     m, k = shape
     tiles = granularity == "block"
     want = quantize_operand(x, fmt, (1, 128) if tiles else (1, k), False, margin, pow2)
@@ -115,6 +119,7 @@ CASES = {
     ),
     "block e4m3 margin 2 pow2": lambda d: check_pair((200, 300), E4M3, "block", 2, True, device=d),
     "block e5m2 margin 1 pow2": lambda d: check_pair((257, 64), E5M2, "block", 1, True, device=d),
+    "block e4m3 strided": lambda d: check_pair((200, 300), E4M3, "block", device=d, strided=True),
     "block e4m3 zero tile": lambda d: check_pair(
         (200, 300), E4M3, "block", special="zero", device=d
     ),
@@ -130,6 +135,7 @@ CASES = {
     "row e4m3 1x129": lambda d: check_pair((1, 129), E4M3, "row", device=d),
     "row e4m3 bf16": lambda d: check_pair((257, 64), E4M3, "row", dtype=torch.bfloat16, device=d),
     "row e4m3 margin 1 pow2": lambda d: check_pair((257, 64), E4M3, "row", 1, True, device=d),
+    "row e4m3 strided": lambda d: check_pair((257, 64), E4M3, "row", device=d, strided=True),
     "row e4m3 zero tile": lambda d: check_pair((200, 300), E4M3, "row", special="zero", device=d),
     "row e4m3 inf/nan": lambda d: check_pair(
         (200, 300), E4M3, "row", special="nonfinite", device=d
