@@ -201,7 +201,7 @@ def _blocks_kernel(
     if WRITE_T:
         tl.store(xt8_ptr + k0 * M + m0 + rk[None, :] * M + rm[:, None], y, mask=mask)
     block = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    tl.store(sinv_ptr + block, tl.div_rn(scale * 0.0 + 1.0, scale))
+    tl.store(sinv_ptr + block, tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
 
 
 def _fp32(value: float) -> float:

@@ -159,9 +159,10 @@ def _lowered(kernel, fp8: str, constexprs: dict) -> tuple[str, str]:
 @pytest.mark.skipif(TRITON != "3.9.0", reason="ASTSource's signature format is triton 3.9.0's")
 def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
     # What the interpreter cannot show: the GPU's code. fp32 -> FP8 in one correctly rounded
-    # conversion (no fp16 step), IEEE division (Triton's "/" is div.full, approximate), a
-    # tile that fits in registers (a spill to the stack costs bandwidth), and 16-byte loads
-    # and stores (the transposed tile goes through shared memory, not out byte by byte).
+    # conversion (no fp16 step), IEEE division (Triton's "/" is div.full, approximate) and
+    # products, a tile that fits in registers (a spill to the stack costs bandwidth), and
+    # 16-byte loads and stores (the transposed tile goes through shared memory, not out
+    # byte by byte).
     k = triton_cast.kernels()
     flags = {"POW2": True, "BK": k.TILE}
     kernels = [
@@ -184,6 +185,9 @@ def test_for_sm_90_the_kernels_round_once_divide_exactly_and_never_spill():
         assert not any(".f16.f32" in c for c in conversions), f"{name}: {conversions}"
         divisions = set(re.findall(r"div\.[\w.]+", ptx))
         assert divisions == {"div.rn.f32"}, f"{name}: {divisions}"
+        # x * scale rounds once, as torch's product: no fused multiply-add, no flushed
+        # subnormals (a bf16 activation can be one).
+        assert not re.search(r"\bfma\.|\.ftz\b", ptx), name
 
 
 @pytest.mark.parametrize(
