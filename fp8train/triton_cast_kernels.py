@@ -2,8 +2,9 @@
 them. Imported only where triton is (``triton_cast.kernels``): this module imports it at the
 top, as ``@triton.jit`` needs.
 
-Every kernel reads a 128 x 128 tile of ``x [M, K]`` once and computes what
-``blockwise.quantize_operand`` computes, bit for bit:
+Every program reads one tile of ``x [M, K]`` once (128 x 128; 64 x 128 for the row-scaled
+cast, whose scales come from a first pass) and computes what ``blockwise.quantize_operand``
+computes, bit for bit:
 
 - the amax of a tile row or column, a NaN counted as inf (both take scale 1, and
   ``tl.max`` may drop a NaN where ``torch.amax`` keeps it);
@@ -16,8 +17,9 @@ Every kernel reads a 128 x 128 tile of ``x [M, K]`` once and computes what
 - ``scale_inv = 1 / scale`` correctly rounded, as ``Tensor.reciprocal``.
 
 Tile bases are int64 (a [16384, 131072] tensor has 2**31 elements), offsets within a tile
-int32. Only long-standing
-``triton.language`` calls: the GPU machine's torch brings an older triton than this one.
+int32. Only long-standing ``triton.language`` calls: the GPU machine's torch brings an older
+triton than this one. ``tests/test_triton_cast.py`` compiles them for sm_90 here and checks
+the instructions these bits rest on (``cvt.rn.satfinite``, ``div.rn.f32``, no fma or ftz).
 """
 
 from __future__ import annotations
