@@ -46,7 +46,10 @@ _kernels: list[ModuleType] = []  # fp8train.triton_cast_kernels, once imported
 
 def available() -> bool:
     """Whether triton can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a None in sys.modules
+        return False
 
 
 def kernels() -> ModuleType:

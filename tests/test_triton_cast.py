@@ -224,6 +224,33 @@ def test_with_the_kernels_bound_a_step_casts_through_them_alone(spec, casts):
         assert (ours, ops.seen["aten.amax"] == 0) == ((casts, True) if kernels else ({}, False))
 
 
+def test_without_triton_fp8train_imports_and_casts_with_torch():
+    # A CPU install without triton: a finder that refuses it stands in for its absence.
+    script = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Refuse())
+import torch
+from fp8train import triton_cast
+from fp8train.linear import Linear
+from fp8train.precision import get_recipe
+from fp8train.scaling import ScalingRecipe
+scaling = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
+layer = Linear(256, 128, recipe=get_recipe("te", scaling=scaling))
+layer(torch.randn(4, 256)).sum().backward()
+print(triton_cast.available(), triton_cast.bind("cuda"), layer.cast_kernels)
+print("triton" in sys.modules)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False"] * 4
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_the_binding_takes_the_torch_cast_off_cuda(device):
     assert triton_cast.bind(device) is False
