@@ -17,7 +17,7 @@ both orientations, bit for bit what ``blockwise.quantize_operand`` (the emulatio
   trace as one graph with no break, symbolic sizes included.
 - With the kernels bound, a Linear step dispatches them (one per tensor and its transpose)
   and none of the torch cast's operators; the binding: the torch ops on the CPU and meta,
-  the kernels on CUDA (sm_90+).
+  the kernels on CUDA (sm_90+); without triton, fp8train imports and trains as before.
 - CUDA only (skipped here): the cases again on the device, with a GPT-1.3B-sized tensor of
   each kind; a row- and block-scaled Linear step with the kernels bound equals the step
   with the torch cast, bit for bit, eager and compiled (``fullgraph=True``).
