@@ -22,6 +22,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	@echo "fp8train: [2/3] requirements.txt (megatron-core, sentencepiece, tensorboard, transformers, ...)"
 	$(BIN)/pip install -q -r requirements.txt
+	@# triton only where torch brought none (a CUDA torch pins its own; requirements.txt).
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton==3.9.0
 	@echo "fp8train: [3/3] this project (editable)"
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)

@@ -71,7 +71,7 @@ def move_module(module: torch.nn.Module, device: torch.device | str) -> torch.nn
 
 def in_host_memory(t: torch.Tensor) -> bool:
     """Whether ``t``'s values sit in host memory, readable without a sync: a CPU tensor (not
-    a CUDA one, nor a meta one of a plan, training/planner.py: shapes without values)."""
+    a CUDA one, nor a meta one of a plan, training/planning/rank_plan.py: shapes without values)."""
     return t.device.type == "cpu"
 
 

@@ -131,7 +131,8 @@ def fits_scaled_mm(a: Float8Tensor, b: Float8Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes this per-tensor pair (else "emulated" runs it)."""
     if a.fmt is E5M2 and b.fmt is E5M2:
         return False
-    # CUDA's layout rule; also on meta, where a plan (training/planner.py) stands for a GPU.
+    # CUDA's layout rule; also on meta, where a plan (training/planning/rank_plan.py) stands
+    # for a GPU.
     if a.data.device.type in ("cuda", "meta"):
         k, n = a.shape[1], b.shape[0]
         return k % 16 == 0 and n % 16 == 0

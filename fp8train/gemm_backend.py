@@ -182,7 +182,7 @@ def select_gemm_backend(device: torch.device | str, choice: str | None = "auto")
     device = torch.device(device)
     if choice in (None, "auto"):
         choice = _forced or os.environ.get(ENV_VAR) or "auto"
-    if device.type == "meta":  # a plan (training/planner.py) stands for a GPU run
+    if device.type == "meta":  # a plan (training/planning/rank_plan.py) stands for a GPU run
         return "scaled_mm" if choice == "auto" else check_backend(choice)
     if choice != "auto":
         if check_backend(choice) == "scaled_mm" and not scaled_mm_available(device):

@@ -194,7 +194,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.chunk_elements = chunk_elements
         # The packed update of ``_add_update_`` (None: where the tensors allow it, in host
         # memory). False takes an accelerator's path on CPU too: the same bits, more memory
-        # (what a plan of a GPU run is checked against, training/planner.py measure_rank).
+        # (what a plan of a GPU run is checked against: measure_rank in
+        # training/planning/rank_plan.py).
         self.packed_update: bool | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -222,7 +223,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Compiled code does not run under a dispatch mode (an accounting of the step, as in
-        # training/step_account.py, or a plan's fake tensors): such a step takes the reference.
+        # training/planning/step_account.py, or a plan's fake tensors): such a step takes the
+        # reference.
         fused = self.fused and not is_in_torch_dispatch_mode(include_infra_modes=False)
         for group in self.param_groups:
             by_device: dict[torch.device, list] = {}
