@@ -1,7 +1,7 @@
 """Decisions inside one device call of tools/gpu_call.sh, from the JSON its phases wrote.
 
     python3 -m benchmarks.gpu_call_plan check CHECK.json...           # summary; then the plan lines
-    python3 -m benchmarks.gpu_call_plan rest LEVELS.json ROW...       # the ROWs still to run
+    python3 -m benchmarks.gpu_call_plan rest LEVELS.json... ROW...    # the ROWs still to run
 
 check: the compile check ran each level's compiled row (and one eager row built on the device)
 at the 1.3B width with 2 layers, all at once. It prints one line per row (status, dynamo graphs
@@ -10,9 +10,10 @@ shell: ``DROP LEVEL+compile`` for each compiled row that failed (its 24-layer ro
 the same way after minutes of compilation), and ``BUILD_ON_DEVICE 1`` or ``0`` (whether the
 eager row built on the device ran; 1 when no such row came back).
 
-rest: the ROWs of a levels run that did not run to the end (no row, "not run: out of time",
-"failed: timed out ..."), in the order given; rows that ran, or failed for a reason of their
-own, are not run again. With no saved run (a fresh machine), every ROW.
+rest: the ROWs that no saved levels run (the arguments ending in ``.json``: the earlier calls
+on this machine) ran to the end (no row, "not run: out of time", "failed: timed out ..."), in
+the order given; rows that ran, or failed for a reason of their own, in any of the runs are
+not run again. With no saved run (a fresh machine), every ROW.
 
 Nothing here touches the device: it reads JSON and prints.
 """
@@ -71,10 +72,11 @@ def _unfinished(status: str) -> bool:
     return status.startswith("not run") or "timed out" in status
 
 
-def rest(path: str, tokens: list[str]) -> list[str]:
-    """The tokens whose rows did not run to the end in the run saved at ``path``."""
-    done = {row_token(r): r["status"] for r in _rows(path)}
-    return [t for t in tokens if t not in done or _unfinished(done[t])]
+def rest(paths: str | list[str], tokens: list[str]) -> list[str]:
+    """The tokens whose rows did not run to the end in any of the runs saved at ``paths``."""
+    paths = [paths] if isinstance(paths, str) else paths
+    done = {row_token(r) for p in paths for r in _rows(p) if not _unfinished(r["status"])}
+    return [t for t in tokens if t not in done]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] == "check":
         print("\n".join(check(argv[1:])))
     else:
-        print(" ".join(rest(argv[1], argv[2:])))
+        paths = [a for a in argv[1:] if a.endswith(".json")]
+        print(" ".join(rest(paths, [a for a in argv[1:] if not a.endswith(".json")])))
 
 
 if __name__ == "__main__":

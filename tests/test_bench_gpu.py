@@ -189,7 +189,7 @@ def test_largest_fitting_doubles_then_bisects():
     assert largest_fitting(lambda n: False, 4, 20, 0.1, math.inf) == (0, 1)
 
 
-def test_gpu_call_plan(tmp_path):
+def test_gpu_call_plan(tmp_path, capsys):
     """tools/gpu_call.sh's decisions: compiled rows whose check failed are dropped, building
     on the device is kept only if the eager check row ran, and the follow-up call runs the
     rows the first did not finish (not those that failed for a reason of their own)."""
@@ -218,3 +218,10 @@ def test_gpu_call_plan(tmp_path):
     tokens = ["bf16+compile", "te:bf16+compile", "bf16", "te:bf16", "O2:bf16"]
     assert gpu_call_plan.rest(str(run), tokens) == ["bf16", "te:bf16", "O2:bf16"]
     assert gpu_call_plan.rest(str(tmp_path / "none.json"), tokens) == tokens
+    # Several calls on one machine: a row any of them ran is done.
+    later = tmp_path / "levels_rest.json"
+    again = [row("bf16", "ok"), row("O2:bf16", "failed: timed out after 40 s")]
+    later.write_text(json.dumps({"rows": again}))
+    assert gpu_call_plan.rest([str(run), str(later)], tokens) == ["te:bf16", "O2:bf16"]
+    gpu_call_plan.main(["rest", str(run), str(later), *tokens])
+    assert capsys.readouterr().out.split() == ["te:bf16", "O2:bf16"]
