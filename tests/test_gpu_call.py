@@ -36,6 +36,7 @@ if mod == "benchmarks.gpu_call_plan":
     sys.exit(subprocess.call([os.environ["REAL_PYTHON"], *args]))
 if mod == "benchmarks.bench_gpu" and args[2] == "levels":
     rows = args[args.index("--rows") + 1:]
+    rows = rows[: next((i for i, a in enumerate(rows) if a.startswith("--")), len(rows))]
     out = args[args.index("--json") + 1]
     limit = float(args[args.index("--time-limit") + 1]) if "--time-limit" in args else 1e9
     used, done = 0.0, []
@@ -104,6 +105,7 @@ def test_the_three_calls_run_each_row_once_in_order(tmp_path):
         "O2:bf16+compile", "O3:bf16@block+compile", "plain+compile",
     ]  # fmt: skip
     ((name, rows),) = levels
+    assert len(list((tmp_path / "work").glob("check_*.json"))) == 8  # 7 compiled, 1 eager
     assert name == "levels.json" and rows[: len(first)] == first
     assert "O3:bf16+compile" not in rows  # its check failed
     ran = [r for r, s in _statuses(tmp_path, "levels.json").items() if s == "ok"]
