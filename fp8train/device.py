@@ -141,8 +141,9 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
-    """Compute capability (e.g. (9, 0) for Hopper); None for a non-CUDA device."""
-    if not _is_cuda_device(device):
+    """Compute capability (e.g. (9, 0) for Hopper); None for a non-CUDA device, or where this
+    torch or machine has no CUDA (asking a CPU-only torch would raise)."""
+    if not _is_cuda_device(device) or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return (major, minor)

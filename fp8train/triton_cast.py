@@ -68,7 +68,8 @@ def bind(device: torch.device | str) -> bool:
     releases lower fp32 -> FP8 there through fp16 (two roundings: not the emulation's bits);
     Hopper is what the kernels are for, and its lowering is what the tests check."""
     device = torch.device(device)
-    if device.type != "cuda" or not available() or _device.cuda_capability(device) < (9, 0):
+    capability = _device.cuda_capability(device) or (0, 0)  # None: no CUDA in this torch
+    if device.type != "cuda" or not available() or capability < (9, 0):
         return False
     kernels()
     return True
