@@ -29,6 +29,7 @@ from multiproc import end_worker
 
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 from parallel.pipeline.schedules import (
+    HOLD,
     SCHEDULES,
     Op,
     check_schedule,
@@ -292,7 +293,7 @@ def test_sends_are_released_at_the_first_receive_that_proves_them_delivered(name
         plans = _plans(name, p, m, v, forward_only)
         sends = _sends(plans, p, v)
         before = _happens_before(plans, sends)
-        releases = send_releases(plans, p, v)
+        releases = send_releases(plans, p, v, hold=None)
         for r, plan in enumerate(plans):
             released = [s for i in range(len(plan)) for s in releases[r][i]]
             assert len(released) == len(set(released)), (name, p, m, v, r)
@@ -305,18 +306,138 @@ def test_sends_are_released_at_the_first_receive_that_proves_them_delivered(name
                 assert sends[(r, s)] not in before[(r, len(plan) - 1)], (name, p, m, v, r, s)
 
 
-def _most_in_flight(name: str, p: int, m: int, v: int) -> list[int]:
-    """Per rank: the most sends posted and not yet released at once (the engine's count)."""
-    plans = _plans(name, p, m, v)
+def _most_in_flight(
+    name: str, p: int, m: int, v: int, forward_only: bool = False, kind: str = "FB"
+) -> list[int]:
+    """Per rank: the most sends (of ops of ``kind``) posted and not yet released at once (the
+    engine's count)."""
+    plans = _plans(name, p, m, v, forward_only)
     sends, releases = _sends(plans, p, v), send_releases(plans, p, v)
     out = []
     for r, plan in enumerate(plans):
         live = worst = 0
-        for i in range(len(plan)):
-            live += ((r, i) in sends) - len(releases[r][i])
+        for i, op in enumerate(plan):
+            live += ((r, i) in sends and op.kind in kind) - sum(
+                plan[s].kind in kind for s in releases[r][i]
+            )
             worst = max(worst, live)
         out.append(worst)
     return out
+
+
+def _step_ends(plans, sends, releases, cost) -> list[float]:
+    """Per rank, when its step ends (last op done and every send waited for) if each op takes
+    ``cost(rank, op)`` and communication is free: an op starts once its rank's previous op, its
+    input's producer and the receivers of the sends it waits for (having reached their
+    receiving op) are done. Raises if that dataflow has a cycle (a deadlock)."""
+    producer = {dst: src for src, dst in sends.items()}
+    end: dict[tuple[int, int], float] = {}
+    pos, remaining = [0] * len(plans), sum(map(len, plans))
+    while remaining:
+        progressed = False
+        for r, plan in enumerate(plans):
+            while pos[r] < len(plan):
+                i = pos[r]
+                deps = [(r, i - 1)] if i else []
+                deps += [producer[(r, i)]] if (r, i) in producer else []
+                deps += [(q, j - 1) for q, j in (sends[(r, s)] for s in releases[r][i]) if j]
+                if any(d not in end for d in deps):
+                    break
+                end[(r, i)] = max([end[d] for d in deps], default=0.0) + cost(r, plan[i])
+                pos[r], remaining, progressed = i + 1, remaining - 1, True
+        if not progressed:
+            raise RuntimeError("the waits deadlock")
+    out = []
+    for r, plan in enumerate(plans):
+        waited = {s for ops in releases[r] for s in ops}
+        unwaited = [dst for (rr, s), dst in sends.items() if rr == r and s not in waited]
+        last = [end[(q, j - 1)] if j else 0.0 for q, j in unwaited]  # the step's end waits
+        out.append(max([end[(r, len(plan) - 1)], *last]))
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("forward_only", [False, True], ids=["training", "forward_only"])
+def test_sends_no_receive_proves_are_waited_for_without_deadlock_or_delay(name, forward_only):
+    # With ``hold`` the releases are the proven ones (same ops) plus, for a send no receive
+    # ever proves, a wait ``hold`` ops or more after it was posted; that wait blocks until
+    # the receiver reaches its receive. Checked on a timed model independent of
+    # ``send_releases``: no cycle, and no step (slowest rank) gets longer, whether the last
+    # stage is as fast, slower or faster than the others, nor, in training, any rank's.
+    for _, p, m, v in (lay for lay in LAYOUTS if lay[0] == name and lay[1] > 1):
+        plans = _plans(name, p, m, v, forward_only)
+        sends = _sends(plans, p, v)
+        proven, held = send_releases(plans, p, v, hold=None), send_releases(plans, p, v)
+        for r, plan in enumerate(plans):
+            never = {s for rr, s in sends if rr == r} - {s for ops in proven[r] for s in ops}
+            for i in range(len(plan)):
+                extra = set(held[r][i]) - set(proven[r][i])
+                assert set(proven[r][i]) <= set(held[r][i]), (name, p, m, v, r, i)
+                assert all(s in never and s <= i - HOLD for s in extra), (name, p, m, v, r, i)
+        for slow in (1.0, 3.0, 0.5):
+
+            def cost(r, op, p=p, slow=slow):
+                return (1.0 if op.kind == "F" else 2.0) * (slow if r == p - 1 else 1.0)
+
+            before = _step_ends(plans, sends, proven, cost)
+            after = _step_ends(plans, sends, held, cost)
+            assert max(after) == max(before), (name, p, m, v, slow)
+            if not forward_only:  # forward-only: a rank ahead of a slow one waits (the end
+                assert after == before, (name, p, m, v, slow)  # gathers them all anyway)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_forward_only_sends_in_flight_are_bounded_without_interleaving(name, p):
+    # Evaluation: nothing comes back, so no receive ever proves a send delivered; without
+    # ``hold`` each micro-batch left one payload (no graph holds it) until the pass ended.
+    for m in (2 * p, 4 * p, 16 * p):
+        assert _most_in_flight(name, p, m, 1, forward_only=True) == [HOLD] * (p - 1) + [0]
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (3, 3)])
+def test_forward_only_interleaved_is_bounded_in_groups_not_chunk_by_chunk(p, v):
+    # Interleaved, the last rank's sends wrap to the first, which takes them in its next
+    # chunk. Chunk by chunk (``all_forward_all_backward``'s order, the evaluation's), it takes
+    # them only after all its m forwards of the chunk before: m payloads must live somewhere,
+    # whatever waits. In 1F1B's order (groups of p micro-batches through the chunks) the
+    # count does not grow.
+    grouped = [_most_in_flight("1f1b", p, k * p, v, forward_only=True) for k in (2, 4, 16)]
+    assert grouped[0] == grouped[1] == grouped[2] and max(grouped[0]) <= 2 * p
+    name = "all_forward_all_backward"
+    chunked = [max(_most_in_flight(name, p, k * p, v, forward_only=True)) for k in (2, 4, 16)]
+    assert chunked == [2 * p, 4 * p, 16 * p]
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
+def test_all_forward_all_backward_sends_in_flight_never_exceed_the_activations(p, v):
+    # All forwards first: every micro-batch's activations are held when the backwards begin,
+    # the step's peak. A forward's send is its output, held for the backward anyway (the same
+    # storage), and let go at the first backward's receive. A backward's send is the input's
+    # gradient; without interleaving, nothing comes back upstream, and ``hold`` bounds them.
+    # Interleaved, a chunk's gradients go to the previous rank's next chunk, which takes them
+    # only after its own m backwards: they must live, and grow with m. What bounds them: each
+    # is sent by a backward that has just freed its micro-batch's activations (the received
+    # input among them, the same size), so at no op do gradients in flight plus micro-batches
+    # held exceed m * v, the count at the end of the forwards.
+    name = "all_forward_all_backward"
+    for m in (2 * p, 4 * p, 16 * p):
+        plans = _plans(name, p, m, v)
+        sends, releases = _sends(plans, p, v), send_releases(plans, p, v)
+        for r, plan in enumerate(plans):
+            held = grads = 0
+            for i, op in enumerate(plan):
+                held += 1 if op.kind == "F" else -1
+                grads += (op.kind == "B" and (r, i) in sends) - sum(
+                    plan[s].kind == "B" for s in releases[r][i]
+                )
+                assert held + grads <= m * v, (p, v, m, r, i)
+            freed = {plan[s]: i for i in range(len(plan)) for s in releases[r][i]}
+            for i, op in enumerate(plan):  # a forward's payload is let go with its output
+                if op.kind == "F" and (r, i) in sends:
+                    assert freed[op] <= plan.index(Op("B", op.chunk, op.micro)), (p, v, m, r)
+        if v == 1:
+            assert max(_most_in_flight(name, p, m, v, kind="B")) <= HOLD, (p, m)
 
 
 @pytest.mark.parametrize("p,v", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
@@ -485,6 +606,7 @@ def _engine_worker(rank: int, world: int, init_file: str, out_dir: str, configs)
             plans = _plans(name, world, m, v, forward_only=True)
             releases = send_releases(plans, world, v)[rank]
             engine.run(plans[rank], forward, backward=False, releases=releases)
+        results[f"{name}/m={m}/v={v}/eval_pending/rank{rank}"] = engine.peak_pending
         if layout.has_head():
             got = [losses.get(i) for i in range(m)]
             results[f"{key}/eval_losses"] = {"equal": got == ref_losses, "got": got}
@@ -501,6 +623,7 @@ ENGINE_CASES = {
         for m, v in dict.fromkeys([(1, 1), (p - 1, 1), (p, 1), (p + 1, 1), (p, 2), (2 * p, 2)])
     ]
     + [("1f1b", 4 * p, 1), ("1f1b", 4 * p, 2)]  # sends in flight do not grow with m
+    + [("all_forward_all_backward", 4 * p, 1)]  # nor its backward's, nor evaluation's
     for p in (2, 4)
 }
 
@@ -540,6 +663,10 @@ def test_engine_lets_sends_go_as_the_step_goes(engine_results):
     for name, m, v in ENGINE_CASES[world]:
         got = [results[f"{name}/m={m}/v={v}/pending/rank{r}"] for r in range(world)]
         assert got == _most_in_flight(name, world, m, v), (name, m, v)
+        got = [results[f"{name}/m={m}/v={v}/eval_pending/rank{r}"] for r in range(world)]
+        assert got == _most_in_flight(name, world, m, v, forward_only=True), (name, m, v)
+        if v == 1:  # evaluation without interleaving: ``hold``, from 2 to 4p micro-batches
+            assert got == [min(HOLD, m)] * (world - 1) + [0], (name, m)
     for v, fewer in ((1, world + 1), (2, 2 * world)):
         for r in range(world):
 

@@ -5,10 +5,16 @@ until the op needing them runs. Any schedule that completes in lock-step also co
 and ``schedules.simulate`` checks every schedule with exactly these rules. A send's payload must
 stay alive until the send completes; a send is waited for, and its payload let go, at the first
 receive that proves the peer has it (``schedules.send_releases``: the wait then returns at once,
-gloo or NCCL, and cannot deadlock), the rest at the end of the step. Without that, every
-micro-batch would leave one activation-sized buffer per direction until the step ends (12.6 MB
-a micro-batch at GPT-175B). ``is_completed`` cannot replace it: gloo's send reports completion
-only once waited for.
+gloo or NCCL, and cannot deadlock). A send no receive ever proves delivered (information flowing
+one way: evaluation without virtual chunks, the backwards of ``all_forward_all_backward``, 1F1B's
+cool-down) is waited for ``schedules.HOLD`` ops after it was posted: that wait blocks while the
+receiver has not reached its receive, which it reaches without us (the schedule places these
+waits so that none closes a cycle). Without that, every micro-batch would leave one
+activation-sized buffer per direction until the step ends (12.6 MB a micro-batch at GPT-175B).
+What still grows with the micro-batches: ``all_forward_all_backward``'s forward sends (each its
+output, held for the backward anyway) and, with virtual chunks, its gradients and evaluation's
+activations, which the next chunk takes only after all m micro-batches of the one before.
+``is_completed`` cannot replace the waits: gloo's send reports completion only once waited for.
 
 Activations travel on one process group and gradients on another (same ranks): the two streams
 between a pair of ranks then never need to agree on an interleaving, which matters when a
@@ -140,11 +146,11 @@ class PipelineEngine:
                         saved[(op.chunk, op.micro)] = (x, out)
                     continue
                 x, out = saved.pop((op.chunk, op.micro))
+                grad = None if last else self._recv(groups.next_rank(stage), groups.gradients)
+                self._release(free[i])  # an op without a receive may wait too (``hold``)
                 if last:
                     out.backward()
                 else:
-                    grad = self._recv(groups.next_rank(stage), groups.gradients)
-                    self._release(free[i])
                     torch.autograd.backward(out, grad_tensors=grad)
                 if after_backward is not None:
                     after_backward()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from parallel.pipeline.layout import PipelineLayoutError
 
 __all__ = [
+    "HOLD",
     "SCHEDULES",
     "Op",
     "check_schedule",
@@ -117,17 +118,40 @@ def _producer(op: Op, rank: int, stages: int, virtual: int):
     return 0, Op("B", op.chunk + 1, op.micro)
 
 
-def send_releases(plans: list[list[Op]], stages: int, virtual: int = 1) -> list[list[tuple]]:
-    """When each rank may let go of the sends it posts without waiting on anyone.
+HOLD = 2  # a send no receive proves delivered is waited for this many ops after it is posted
+
+
+def send_releases(
+    plans: list[list[Op]], stages: int, virtual: int = 1, hold: int | None = HOLD
+) -> list[list[tuple]]:
+    """When each rank waits for the sends it posts, so that their payloads can go.
 
     ``plans``: every rank's op list (training or forward-only). Returns, for rank ``r`` and its
-    op ``i``, the indices of ``r``'s earlier ops whose sends are known to be received once op
-    ``i``'s own receive has completed: the message it takes left its sender after that sender
-    (or a rank it heard from, and so on) had received ours. Vector clocks over the op lists:
-    a clock entry is how many of a rank's ops have their receives done. Waiting on such a send
-    returns at once, so no wait can deadlock. A send no receive proves delivered (1F1B's
-    cool-down, every backward send of ``all_forward_all_backward``) stays for the step's end.
+    op ``i``, the indices of ``r``'s earlier ops whose sends ``r`` waits for once op ``i``'s own
+    receive has completed. Mostly a send is proven received by then: the message op ``i`` takes
+    left its sender after that sender (or a rank it heard from, and so on) had received ours.
+    Vector clocks over the op lists: a clock entry is how many of a rank's ops have their
+    receives done. Waiting on such a send returns at once.
+
+    Where information only flows one way, no receive ever proves a send delivered: the backward
+    sends of ``all_forward_all_backward`` (upstream, and nothing comes back before the step
+    ends), 1F1B's cool-down, and every send of a forward-only pass without virtual chunks.
+    Held to the step's end they grow with the micro-batches. With ``hold``, such a send is
+    waited for ``hold`` ops after it was posted instead: that wait blocks until its receiver
+    has reached the op receiving it, which (the receiver depending only on what was already
+    sent) it does without us; the simulation below places the waits so that the dataflow stays
+    acyclic (no deadlock on any interleaving), deferring one where it would not. A sender is
+    then held back only when its receiver is ``hold`` ops behind, and the receiver sets the
+    pace of a one-way chain anyway (``tests/test_pipeline_schedules.py`` times it: no step gets
+    longer). ``hold=None``: proven releases only, the rest at the step's end.
     """
+    never = _proven(plans, stages, virtual, None, set())[1]
+    return _proven(plans, stages, virtual, hold, never)[0]
+
+
+def _proven(plans, stages: int, virtual: int, hold: int | None, one_way: set):
+    """``send_releases``'s simulation; returns (releases, the sends never released), the
+    ``one_way`` sends (rank, op) waited for ``hold`` ops after they are posted."""
     index = [{op: i for i, op in enumerate(plan)} for plan in plans]
     source: list[list[tuple[int, int] | None]] = [[None] * len(plan) for plan in plans]
     consumer: dict[tuple[int, int], tuple[int, int]] = {}
@@ -143,20 +167,35 @@ def send_releases(plans: list[list[Op]], stages: int, virtual: int = 1) -> list[
     open_sends: list[list[tuple[int, int, int]]] = [[] for _ in plans]  # (op, to rank, its op)
     releases: list[list[tuple]] = [[() for _ in plan] for plan in plans]
     pos = [0] * stages
+    defer = -1  # a rank let past its unreachable waits once (they move to its next op)
     remaining = sum(len(p) for p in plans)
     while remaining:
         progressed = False
         for r, plan in enumerate(plans):
             while pos[r] < len(plan):
                 i, src = pos[r], source[r][pos[r]]
+                if src is not None and src not in sent:
+                    break
+                known = list(clocks[r])
                 if src is not None:
-                    if src not in sent:
-                        break
-                    clocks[r] = [max(a, b) for a, b in zip(clocks[r], sent[src])]
-                clocks[r][r] = i + 1
-                known = clocks[r]
-                releases[r][i] = tuple(s for s, q, j in open_sends[r] if known[q] > j)
-                open_sends[r] = [(s, q, j) for s, q, j in open_sends[r] if known[q] <= j]
+                    known = [max(a, b) for a, b in zip(known, sent[src])]
+                known[r] = i + 1
+                due = [
+                    (s, q, j)
+                    for s, q, j in open_sends[r]
+                    if known[q] > j
+                    or (hold is not None and (r, s) in one_way and s <= i - hold and pos[q] >= j)
+                ]
+                late = hold is not None and any(
+                    (r, s) in one_way and s <= i - hold and known[q] <= j and pos[q] < j
+                    for s, q, j in open_sends[r]
+                )
+                if late and defer != r:
+                    break  # its receiver has not reached the receive yet
+                defer = -1
+                clocks[r] = known
+                releases[r][i] = tuple(s for s, _, _ in due)
+                open_sends[r] = [t for t in open_sends[r] if t not in due]
                 if (r, i) in consumer:
                     sent[(r, i)] = list(known)
                     open_sends[r].append((i, *consumer[(r, i)]))
@@ -164,8 +203,12 @@ def send_releases(plans: list[list[Op]], stages: int, virtual: int = 1) -> list[
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"op lists deadlock: p={stages} v={virtual}")
-    return releases
+            stuck = [r for r in range(stages) if pos[r] < len(plans[r])]
+            ready = [r for r in stuck if (src := source[r][pos[r]]) is None or src in sent]
+            if hold is None or not ready:
+                raise RuntimeError(f"op lists deadlock: p={stages} v={virtual}")
+            defer = ready[0]
+    return releases, {(r, s) for r in range(stages) for s, _, _ in open_sends[r]}
 
 
 def simulate(
