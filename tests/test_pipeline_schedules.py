@@ -33,6 +33,7 @@ from parallel.pipeline.schedules import (
     SCHEDULES,
     Op,
     check_schedule,
+    forward_only_ops,
     schedule_ops,
     send_releases,
     simulate,
@@ -311,7 +312,10 @@ def _most_in_flight(
 ) -> list[int]:
     """Per rank: the most sends (of ops of ``kind``) posted and not yet released at once (the
     engine's count)."""
-    plans = _plans(name, p, m, v, forward_only)
+    return _in_flight(_plans(name, p, m, v, forward_only), p, v, kind)
+
+
+def _in_flight(plans: list[list[Op]], p: int, v: int, kind: str = "FB") -> list[int]:
     sends, releases = _sends(plans, p, v), send_releases(plans, p, v)
     out = []
     for r, plan in enumerate(plans):
@@ -407,6 +411,38 @@ def test_forward_only_interleaved_is_bounded_in_groups_not_chunk_by_chunk(p, v):
     name = "all_forward_all_backward"
     chunked = [max(_most_in_flight(name, p, k * p, v, forward_only=True)) for k in (2, 4, 16)]
     assert chunked == [2 * p, 4 * p, 16 * p]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_forward_only_ops_are_bounded_and_no_slower_than_chunk_by_chunk(p):
+    # Groups of p micro-batches through the chunks (the last group takes the rest: alone, a
+    # short group would stall the pipe): every forward once, each chunk in micro-batch order
+    # (losses sum as before), no step longer than chunk by chunk in the timed model, and the
+    # sends in flight stop growing with m (at most 3p - 1 here, HOLD without interleaving).
+    name = "all_forward_all_backward"
+    for v in (1, 2, 3):
+        for m in range(1, 13):
+            plans = [forward_only_ops(p, r, m, v) for r in range(p)]
+            chunked = _plans(name, p, m, v, forward_only=True)
+            for plan in plans:
+                for c in range(v):
+                    assert [op.micro for op in plan if op.chunk == c] == list(range(m))
+                assert sorted(plan, key=lambda op: (op.chunk, op.micro)) == chunked[0]
+            if v == 1:
+                assert plans == chunked
+            for slow in (1.0, 3.0, 0.5):
+
+                def cost(r, op, p=p, slow=slow):
+                    return slow if r == p - 1 else 1.0
+
+                grouped, before = (
+                    max(_step_ends(x, _sends(x, p, v), send_releases(x, p, v), cost))
+                    for x in (plans, chunked)
+                )
+                assert grouped <= before, (p, v, m, slow)
+        counts = [max(_in_flight([forward_only_ops(p, r, k * p, v) for r in range(p)], p, v))
+                  for k in (2, 4, 16)]  # fmt: skip
+        assert counts[0] == counts[1] == counts[2] <= (HOLD if v == 1 else 3 * p - 1), (p, v)
 
 
 @pytest.mark.parametrize("p,v", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
@@ -600,16 +636,20 @@ def _engine_worker(rank: int, world: int, init_file: str, out_dir: str, configs)
                 "equal": [losses.get(i) for i in range(m)] == ref_losses,
                 "got": [losses.get(i) for i in range(m)],
             }
-        # Forward only (evaluation): no graph, no backward ops, same losses.
-        losses.clear()
-        with torch.no_grad():
-            plans = _plans(name, world, m, v, forward_only=True)
-            releases = send_releases(plans, world, v)[rank]
-            engine.run(plans[rank], forward, backward=False, releases=releases)
-        results[f"{name}/m={m}/v={v}/eval_pending/rank{rank}"] = engine.peak_pending
-        if layout.has_head():
-            got = [losses.get(i) for i in range(m)]
-            results[f"{key}/eval_losses"] = {"equal": got == ref_losses, "got": got}
+        # Forward only (evaluation): no graph, no backward ops, same losses; the schedule's
+        # forwards ("eval") and ``forward_only_ops``'s groups ("grouped").
+        for label, plans in (
+            ("eval", _plans(name, world, m, v, forward_only=True)),
+            ("grouped", [forward_only_ops(world, r, m, v) for r in range(world)]),
+        ):
+            losses.clear()
+            with torch.no_grad():
+                releases = send_releases(plans, world, v)[rank]
+                engine.run(plans[rank], forward, backward=False, releases=releases)
+            results[f"{key}/{label}_pending/rank{rank}"] = engine.peak_pending
+            if layout.has_head():
+                got = [losses.get(i) for i in range(m)]
+                results[f"{key}/{label}_losses"] = {"equal": got == ref_losses, "got": got}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     end_worker()
 
@@ -624,6 +664,7 @@ ENGINE_CASES = {
     ]
     + [("1f1b", 4 * p, 1), ("1f1b", 4 * p, 2)]  # sends in flight do not grow with m
     + [("all_forward_all_backward", 4 * p, 1)]  # nor its backward's, nor evaluation's
+    + [("all_forward_all_backward", 2 * p + 1, 2)]  # evaluation's groups, the last one longer
     for p in (2, 4)
 }
 
@@ -667,6 +708,9 @@ def test_engine_lets_sends_go_as_the_step_goes(engine_results):
         assert got == _most_in_flight(name, world, m, v, forward_only=True), (name, m, v)
         if v == 1:  # evaluation without interleaving: ``hold``, from 2 to 4p micro-batches
             assert got == [min(HOLD, m)] * (world - 1) + [0], (name, m)
+        plans = [forward_only_ops(world, r, m, v) for r in range(world)]
+        got = [results[f"{name}/m={m}/v={v}/grouped_pending/rank{r}"] for r in range(world)]
+        assert got == _in_flight(plans, world, v), (name, m, v)
     for v, fewer in ((1, world + 1), (2, 2 * world)):
         for r in range(world):
 
@@ -681,3 +725,4 @@ def test_engine_losses_match_in_training_and_forward_only(engine_results):
     for name, m, v in ENGINE_CASES[world]:
         assert results[f"{name}/m={m}/v={v}/losses"]["equal"], (name, m, v)
         assert results[f"{name}/m={m}/v={v}/eval_losses"]["equal"], (name, m, v)
+        assert results[f"{name}/m={m}/v={v}/grouped_losses"]["equal"], (name, m, v)

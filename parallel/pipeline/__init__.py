@@ -4,9 +4,11 @@
 from parallel.pipeline.engine import PipelineEngine, PipelineGroups
 from parallel.pipeline.layout import PipelineLayout, PipelineLayoutError
 from parallel.pipeline.schedules import (
+    HOLD,
     SCHEDULES,
     Op,
     check_schedule,
+    forward_only_ops,
     schedule_ops,
     send_releases,
     simulate,
@@ -18,9 +20,11 @@ __all__ = [
     "PipelineGroups",
     "PipelineLayout",
     "PipelineLayoutError",
+    "HOLD",
     "SCHEDULES",
     "Op",
     "check_schedule",
+    "forward_only_ops",
     "schedule_ops",
     "send_releases",
     "simulate",

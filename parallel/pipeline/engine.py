@@ -12,8 +12,9 @@ receiver has not reached its receive, which it reaches without us (the schedule 
 waits so that none closes a cycle). Without that, every micro-batch would leave one
 activation-sized buffer per direction until the step ends (12.6 MB a micro-batch at GPT-175B).
 What still grows with the micro-batches: ``all_forward_all_backward``'s forward sends (each its
-output, held for the backward anyway) and, with virtual chunks, its gradients and evaluation's
-activations, which the next chunk takes only after all m micro-batches of the one before.
+output, held for the backward anyway) and, with virtual chunks, its gradients and an evaluation
+run chunk by chunk, which the next chunk takes only after all m micro-batches of the one before
+(``schedules.forward_only_ops`` runs evaluation in groups of stages instead: bounded).
 ``is_completed`` cannot replace the waits: gloo's send reports completion only once waited for.
 
 Activations travel on one process group and gradients on another (same ranks): the two streams

@@ -17,6 +17,8 @@ and lets tests and ``benchmarks/bench_pipeline.py`` check them without processes
 
 Backward passes of any one chunk run in micro-batch order 0, 1, ..., m-1, as the forwards do, so
 gradients accumulate in the same order as with pipeline=1 (same sums, same rounding).
+``forward_only_ops`` orders an evaluation pass (forwards only, any schedule) so that its sends in
+flight do not grow with m; ``send_releases`` says when the engine may let each send go.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "SCHEDULES",
     "Op",
     "check_schedule",
+    "forward_only_ops",
     "schedule_ops",
     "send_releases",
     "simulate",
@@ -101,6 +104,21 @@ def schedule_ops(name: str, stages: int, rank: int, num_micro: int, virtual: int
         ops += [fwd(warmup + k), bwd(k)]
     ops += [bwd(k) for k in range(total - warmup, total)]
     return ops
+
+
+def forward_only_ops(stages: int, rank: int, num_micro: int, virtual: int = 1) -> list[Op]:
+    """The forwards of an evaluation pass (no backward), any ``num_micro``: groups of
+    ``stages`` micro-batches through chunk 0, then chunk 1, ... (interleaved 1F1B's forward
+    order, the last group possibly short). Chunk by chunk instead, the first rank would take
+    the last rank's outputs only after its own m forwards of the chunk before, and those m
+    payloads would have to live until then; in groups, a few. Each chunk still sees the
+    micro-batches in order, so the losses sum in the same order."""
+    check_schedule("all_forward_all_backward", stages, num_micro, virtual)
+    starts = list(range(0, num_micro - stages + 1, stages)) or [0]  # the last group takes
+    ends = starts[1:] + [num_micro]  # the rest: a short group alone would stall the pipe
+    return [
+        Op("F", c, mu) for a, b in zip(starts, ends) for c in range(virtual) for mu in range(a, b)
+    ]
 
 
 def _producer(op: Op, rank: int, stages: int, virtual: int):
