@@ -19,7 +19,7 @@ import torch
 
 from fp8train.linear import Linear
 from fp8train.scaling_table import ScalingTable
-from parallel.pipeline import Op, schedule_ops, send_releases
+from parallel.pipeline import Op, forward_only_ops, schedule_ops, send_releases
 
 __all__ = ["forward_backward", "forward_only", "new_totals", "track_health"]
 
@@ -64,9 +64,10 @@ def _pipeline_ops(
 ) -> tuple[list[Op], list[tuple]]:
     """This rank's ops of a step and when it may let go of each send (``send_releases``,
     from every rank's op list); the same every step, so worked out once."""
-    plans = [schedule_ops(name, stages, r, n_micro, virtual) for r in range(stages)]
-    if forward_only:
-        plans = [[op for op in plan if op.kind == "F"] for plan in plans]
+    if forward_only:  # evaluation: in groups of stages, whatever the training schedule
+        plans = [forward_only_ops(stages, r, n_micro, virtual) for r in range(stages)]
+    else:
+        plans = [schedule_ops(name, stages, r, n_micro, virtual) for r in range(stages)]
     return plans[rank], send_releases(plans, stages, virtual)[rank]
 
 
