@@ -47,7 +47,14 @@ from .gemm import fp8_gemm, prepare_scaled_gemm
 from .gemm_backend import select_gemm_backend
 from .health_record import HealthRecord, health_keys
 from .low_precision import Fp8GradSlot, ScaledTensor
-from .param_state import fp8_grad_slot, set_grad_slot, set_scale_inv
+from .param_state import (
+    drop_initial_master,
+    fp8_grad_slot,
+    set_grad_slot,
+    set_initial_master,
+    set_scale_inv,
+    take_initial_master,
+)
 from .precision import PrecisionRecipe
 from .scaling import ScalingState, fold
 from .tensor import Float8Tensor
@@ -379,18 +386,26 @@ class Linear(nn.Module):
                 "transpose serves the input gradient; a row-scaled weight would need a second "
                 "stored copy"
             )
+        value = self.weight.detach().float()
+        master = None
+        if recipe.weight == "fp8":
+            # O3's FP16 master starts from the initial value, not from the FP8 weight (see
+            # param_state: a master on E4M3's grid holds the weight still for the first steps).
+            # The FP8 weight is its E4M3 rounding, as after every optimizer step.
+            master = ScaledTensor.quantize(value, torch.float16)
+            value = master.dequantize()
         if granularity == "block" and recipe.weight == "fp8":
             # One power-of-two scale per 128x128 block: the blocks the GEMMs read, so the
             # stored weight is both GEMMs' operand and is never cast again in a step.
-            stored = quantize_blocks(
-                self.weight.detach().float(), E4M3, WEIGHT_BLOCK, power_of_two=True
-            )
+            stored = quantize_blocks(value, E4M3, WEIGHT_BLOCK, power_of_two=True)
             self.weight_block = WEIGHT_BLOCK
         else:
             dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
-            stored = ScaledTensor.quantize(self.weight.detach().float(), dtype)
+            stored = ScaledTensor.quantize(value, dtype)
         self.weight = nn.Parameter(stored.data)
         self.register_buffer("weight_scale_inv", stored.scale_inv)
+        if master is not None:
+            set_initial_master(self.weight, master.data, master.scale_inv)
         if recipe.weight_grad == "fp8":
             # The weight gradient's FP8 storage is scaled like the GEMM operands: per tensor,
             # per row (along K, like the weight) or per 128x128 block.
@@ -399,14 +414,23 @@ class Linear(nn.Module):
             set_grad_slot(self.weight, slot)
         self._link_weight_attributes()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A loaded weight replaces the one the initial master was the finer value of.
+        if prefix + "weight" in state_dict:
+            drop_initial_master(self.weight)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _link_weight_attributes(self) -> None:
         # The optimizer reads the scale through the parameter; keep it the module's buffer.
         if hasattr(self, "weight_scale_inv"):
             set_scale_inv(self.weight, self.weight_scale_inv, getattr(self, "weight_block", None))
 
     def _apply(self, fn, recurse=True):
+        master = take_initial_master(self.weight)  # (a move may replace the Parameter)
         out = super()._apply(fn, recurse)
         self._link_weight_attributes()  # .to(device) replaces buffers: re-point the attribute
+        if master is not None:  # it goes where the weight went, and stays FP16
+            set_initial_master(self.weight, *(t.to(self.weight.device) for t in master))
         self._bind_gemm_backend()
         if self.health is not None and self.health.values.device != self.weight.device:
             self.health = self.health.to(self.weight.device)

@@ -17,9 +17,11 @@ Three kinds of parameters (set up by the model layer):
   power-of-two scale (the scale is the module's buffer, so it is updated in place too).
 - FP8 weight (O3): ``p`` is FP8 E4M3 with its scale (one, or one per 128x128 block at
   ``fp8_granularity=block``: ``param_state.scale_block_of``); the optimizer owns a
-  tensor-scaled FP16 master (state "master"), created from the FP8 weight on first use. The new
-  FP8 weight is re-cast from the stored master, so ``weight == E4M3(master)`` holds exactly
-  after each step.
+  tensor-scaled FP16 master (state "master"), made on first use from the FP16 rounding of the
+  weight's initial value that ``Linear.lower_weight_precision`` left on it
+  (``param_state.take_initial_master``), or from the FP8 weight where there is none (a weight
+  loaded in FP8). The new FP8 weight is re-cast from the stored master, so
+  ``weight == E4M3(master)`` holds exactly after each step (and from the lowering on).
 
 Moment dtypes from the constructor apply to the scaled weights (kinds 2 and 3). A parameter
 without a gradient this step (no FP8 slot data, ``grad`` None) is skipped and its state

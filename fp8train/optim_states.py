@@ -32,7 +32,7 @@ import torch
 from .blockwise import scaled_value
 from .formats import E4M3
 from .low_precision import FP16_MAX, pow2_scale
-from .param_state import fp8_grad_slot, scale_block_of, scale_inv_of
+from .param_state import fp8_grad_slot, scale_block_of, scale_inv_of, take_initial_master
 from .scaling import compute_scale
 
 __all__ = [
@@ -106,10 +106,17 @@ def init_state(
     if v_dtype != torch.float32:
         state["exp_avg_sq_scale_inv"] = torch.ones((), device=dev)
     if kind == "fp8":
-        # The FP8 weight is the only record of the initial value. With a power-of-two weight
-        # scale FP16 holds it exactly: 3 mantissa bits fit in 10, and E4M3's 2**18 span of
-        # magnitudes fits FP16's 2**40 (with block scales, as long as the blocks' scales span
-        # less than the remaining 2**22, i.e. no block sits 22 binades below the largest).
+        initial = take_initial_master(p)
+        if initial is not None:  # the FP16 rounding of the initial value (param_state)
+            data, scale_inv = initial
+            state["master"] = data.to(dev)
+            state["master_scale_inv"] = scale_inv.to(device=dev, dtype=torch.float32)
+            return state
+        # Else the FP8 weight is the only record of the value (a weight loaded in FP8). With a
+        # power-of-two weight scale FP16 holds it exactly: 3 mantissa bits fit in 10, and
+        # E4M3's 2**18 span of magnitudes fits FP16's 2**40 (with block scales, as long as the
+        # blocks' scales span less than the remaining 2**22, i.e. no block sits 22 binades
+        # below the largest).
         state["master"] = torch.empty(p.shape, dtype=torch.float16, device=dev)
         state["master_scale_inv"] = torch.ones((), device=dev)
         quantize_into_(

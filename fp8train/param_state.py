@@ -1,6 +1,6 @@
 """The state the precision machinery keeps on a parameter, behind typed accessors.
 
-Two slots ride on a parameter object, so whoever holds the parameter (an optimizer, a
+Three slots ride on a parameter object, so whoever holds the parameter (an optimizer, a
 gradient buffer, a clipping pass) finds them without a side table:
 
 - the gradient slot (attribute ``main_grad``): where a step reads the weight's gradient instead
@@ -15,6 +15,15 @@ gradient buffer, a clipping pass) finds them without a side table:
   ``fp8train.Linear`` points it at its ``weight_scale_inv`` buffer, so updating one in place
   updates the other. None for a weight stored at its own precision.
 
+- the initial master (attribute ``initial_master``): at O3, the tensor-scaled FP16 rounding of
+  the weight's initial high-precision value, made where the weight is lowered to FP8
+  (``Linear.lower_weight_precision``) and taken by the optimizer that steps the weight when it
+  creates its FP16 master (``optim_states.init_state``). Without it the master would start as
+  the FP8 weight itself: on E4M3's grid, where every element must travel half an E4M3 step
+  (~6% of its magnitude) before the weight it rounds to moves, so the first hundred steps'
+  small updates barely reach the forward. Dropped when the weight is overwritten (a load) and
+  on the ranks that do not step the weight (the distributed optimizer's other owners).
+
 The attribute names are Megatron's (``main_grad``) and MS-AMP's (``scale_inv``), so outside
 code that reads them keeps working; inside this project only these functions touch them.
 """
@@ -28,13 +37,16 @@ from .low_precision import Fp8GradSlot
 
 __all__ = [
     "GradSlot",
+    "drop_initial_master",
     "fp8_grad_slot",
     "grad_slot",
     "grad_value",
     "scale_block_of",
     "scale_inv_of",
     "set_grad_slot",
+    "set_initial_master",
     "set_scale_inv",
+    "take_initial_master",
 ]
 
 GradSlot = torch.Tensor | Fp8GradSlot
@@ -42,6 +54,7 @@ GradSlot = torch.Tensor | Fp8GradSlot
 _GRAD_SLOT = "main_grad"
 _SCALE_INV = "scale_inv"
 _SCALE_BLOCK = "scale_block"
+_INITIAL_MASTER = "initial_master"
 
 
 def grad_slot(p: torch.Tensor) -> GradSlot | None:
@@ -115,3 +128,28 @@ def set_scale_inv(
             )
         setattr(p, _SCALE_BLOCK, tuple(block))
     setattr(p, _SCALE_INV, scale_inv)
+
+
+def set_initial_master(p: torch.Tensor, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """Attach the FP16 ``data`` (``p``'s shape) and its 0-d FP32 ``scale_inv``: the value ``p``'s
+    master starts from, where it is finer than ``p`` itself."""
+    if data.dtype != torch.float16 or tuple(data.shape) != tuple(p.shape):
+        raise ValueError(
+            f"initial master: FP16 of shape {tuple(p.shape)}, not {data.dtype} {tuple(data.shape)}"
+        )
+    if scale_inv.numel() != 1:
+        raise ValueError("initial master: one per-tensor scale")
+    setattr(p, _INITIAL_MASTER, (data, scale_inv))
+
+
+def take_initial_master(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``p``'s initial master ``(data, scale_inv)``, removed from ``p``; None when it has none."""
+    master = getattr(p, _INITIAL_MASTER, None)
+    drop_initial_master(p)
+    return master
+
+
+def drop_initial_master(p: torch.Tensor) -> None:
+    """Forget ``p``'s initial master (its weight was overwritten, or another rank steps it)."""
+    if hasattr(p, _INITIAL_MASTER):
+        delattr(p, _INITIAL_MASTER)

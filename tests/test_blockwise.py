@@ -21,6 +21,7 @@ from fp8train.blockwise import (
 )
 from fp8train.formats import E4M3, E5M2
 from fp8train.linear import Linear
+from fp8train.low_precision import ScaledTensor
 from fp8train.precision import get_recipe
 from fp8train.scaling import ScalingRecipe
 
@@ -310,10 +311,12 @@ def test_o2_block_gradient_lands_in_the_fp8_slot():
 
 
 def test_o3_block_weight_is_stored_in_blocks_and_stepped_through_its_master():
-    # O3 at block: the FP8 weight is the E4M3 rounding of its value with one power-of-two
-    # scale per 128x128 block (partial last blocks: 300 = 2 x 128 + 44, 200 = 128 + 72), the
-    # forward reads those bytes as they are, and after each optimizer step the weight is the
-    # block rounding of the FP16 master (bitwise: the same quantize_blocks on the same value).
+    # O3 at block: the FP8 weight is the E4M3 rounding of its value (of its FP16 master's: the
+    # initial value rounded to tensor-scaled FP16 first, test_o3_initial_master) with one
+    # power-of-two scale per 128x128 block (partial last blocks: 300 = 2 x 128 + 44,
+    # 200 = 128 + 72), the forward reads those bytes as they are, and after each optimizer
+    # step the weight is the block rounding of the FP16 master (bitwise: the same
+    # quantize_blocks on the same value).
     from fp8train.optim import LowBitAdamW
     from fp8train.param_state import scale_block_of, scale_inv_of
 
@@ -322,7 +325,8 @@ def test_o3_block_weight_is_stored_in_blocks_and_stepped_through_its_master():
     layer = Linear(300, 200, recipe=get_recipe("O3", scaling=block))
     full = layer.weight.detach().clone()
     layer.lower_weight_precision()
-    expected = quantize_blocks(full, E4M3, (128, 128), power_of_two=True)
+    master16 = ScaledTensor.quantize(full, torch.float16).dequantize()
+    expected = quantize_blocks(master16, E4M3, (128, 128), power_of_two=True)
     assert layer.weight.dtype == E4M3.dtype and layer.weight_scale_inv.shape == (2, 3)
     assert torch.equal(layer.weight.view(torch.uint8), expected.data.view(torch.uint8))
     assert torch.equal(layer.weight_scale_inv, expected.scale_inv)

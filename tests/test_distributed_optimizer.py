@@ -87,6 +87,7 @@ from multiproc import (
     weight_value,
 )
 
+from fp8train.param_state import set_initial_master, take_initial_master
 from parallel.distributed_optimizer import assign_owners, ownership_balance
 
 STEPS = 3
@@ -193,6 +194,9 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
         params=[names[id(p)] for p in opt.model_params],
         owned=[names[id(p)] for p in opt.step_params],
         fp8=[names[id(p)] for p in opt.model_params if opt._is_slot(p)],
+        # O3: the weights whose FP16 rounding of the initial value is still on them
+        # (param_state.take_initial_master), before the first step and after the last.
+        initial_masters=[_with_initial_master(opt.model_params, names)],
     )
     if "launch" in probes:
         _instrument_launches(state, rec["events"])
@@ -218,7 +222,18 @@ def _train(state, probes: tuple, tensors: dict) -> dict:
         rec["launch_log"].append(list(opt.buffers.launch_log))
         rec["events"].append(["step", step])
     rec["bytes_per_param"] = state.bytes_per_param
+    rec["initial_masters"].append(_with_initial_master(opt.model_params, names))
     return rec
+
+
+def _with_initial_master(params, names) -> list[str]:
+    out = []
+    for p in params:
+        master = take_initial_master(p)
+        if master is not None:
+            set_initial_master(p, *master)
+            out.append(names[id(p)])
+    return out
 
 
 def _worker(rank: int, world: int, port: int, runs: dict, out_dir: str) -> None:
@@ -477,6 +492,17 @@ def test_o3_dp4_model_state_bytes_and_wire_bytes(results):
                 assert 1.0 <= per_element[name] <= 1.05, (rank, step, name, per_element)
     for _, rec in results("dp4", "O3"):  # the same level without the distributed optimizer
         assert rec["bytes_per_param"]["linear"]["total"] > 6.9
+
+
+@pytest.mark.parametrize("layout", ["dp4_dist", "dp4"])
+def test_o3_initial_masters_stay_with_the_ranks_that_step_them(results, layout):
+    """Each FP8 weight's FP16 initial value (what its master starts from) is kept on the rank
+    whose optimizer steps it, dropped on the others when the optimizer is built (no 2 bytes
+    per parameter held for the owner's sake), and gone after the first step everywhere."""
+    for rank, (_, rec) in enumerate(results(layout, "O3")):
+        before, after = rec["initial_masters"]
+        assert before and sorted(before) == sorted(set(rec["fp8"]) & set(rec["owned"])), rank
+        assert after == [], rank
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from data.indexed import import_megatron
 from fp8train.linear import Linear
 from fp8train.low_precision import Fp8GradSlot
 from fp8train.optim import LowBitAdamW
-from fp8train.param_state import fp8_grad_slot, grad_slot
+from fp8train.param_state import drop_initial_master, fp8_grad_slot, grad_slot
 from fp8train.precision import PrecisionRecipe
 from models.base import ParallelModel
 from parallel.distributed_optimizer import ParamGather, assign_owners
@@ -108,6 +108,9 @@ class TrainOptimizer:
         self.gather = ParamGather(self.model_params, owners, group, meter) if owners else None
 
         self.step_params = [p for p, own in zip(self.model_params, self.owned) if own]
+        for p, own in zip(self.model_params, self.owned):
+            if not own:  # O3: the owner's optimizer makes the master; this rank gets the weight
+                drop_initial_master(p)
         # FP32 masters of the BF16 parameters this rank steps: every parameter at bf16; at an
         # FP8 level with param_dtype=bf16 all but the low-bit linear weights (LowBitAdamW
         # keeps theirs). The optimizer steps the master in place of its parameter.
