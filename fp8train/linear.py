@@ -386,22 +386,9 @@ class Linear(nn.Module):
                 "transpose serves the input gradient; a row-scaled weight would need a second "
                 "stored copy"
             )
-        value = self.weight.detach().float()
-        master = None
-        if recipe.weight == "fp8":
-            # O3's FP16 master starts from the initial value, not from the FP8 weight (see
-            # param_state: a master on E4M3's grid holds the weight still for the first steps).
-            # The FP8 weight is its E4M3 rounding, as after every optimizer step.
-            master = ScaledTensor.quantize(value, torch.float16)
-            value = master.dequantize()
-        if granularity == "block" and recipe.weight == "fp8":
-            # One power-of-two scale per 128x128 block: the blocks the GEMMs read, so the
-            # stored weight is both GEMMs' operand and is never cast again in a step.
-            stored = quantize_blocks(value, E4M3, WEIGHT_BLOCK, power_of_two=True)
+        stored, master = self._stored_weight(self.weight.detach().float())
+        if stored.scale_inv.dim():
             self.weight_block = WEIGHT_BLOCK
-        else:
-            dtype = torch.float16 if recipe.weight == "fp16" else E4M3.dtype
-            stored = ScaledTensor.quantize(value, dtype)
         self.weight = nn.Parameter(stored.data)
         self.register_buffer("weight_scale_inv", stored.scale_inv)
         if master is not None:
@@ -413,6 +400,42 @@ class Linear(nn.Module):
             slot = Fp8GradSlot(self.weight.shape, self.weight.device, block[granularity])
             set_grad_slot(self.weight, slot)
         self._link_weight_attributes()
+
+    def _stored_weight(self, value: torch.Tensor):
+        """``(stored, master)``: FP32 ``value`` in the recipe's weight storage (a
+        ``ScaledTensor``, or at O3 with ``block`` a ``BlockFloat8Tensor``), and at O3 the
+        tensor-scaled FP16 master it is the E4M3 rounding of (else None)."""
+        master = None
+        if self.recipe.weight == "fp8":
+            # O3's FP16 master starts from the initial value, not from the FP8 weight (see
+            # param_state: a master on E4M3's grid holds the weight still for the first steps).
+            # The FP8 weight is its E4M3 rounding, as after every optimizer step.
+            master = ScaledTensor.quantize(value, torch.float16)
+            value = master.dequantize()
+            if self.scaling.granularity == "block":
+                # One power-of-two scale per 128x128 block: the blocks the GEMMs read, so the
+                # stored weight is both GEMMs' operand and is never cast again in a step.
+                return quantize_blocks(value, E4M3, WEIGHT_BLOCK, power_of_two=True), master
+        dtype = torch.float16 if self.recipe.weight == "fp16" else E4M3.dtype
+        return ScaledTensor.quantize(value, dtype), master
+
+    @torch.no_grad()
+    def assign_weight(self, value: torch.Tensor) -> None:
+        """Put ``value`` (the weight's shape, any float dtype) into the lowered weight in place
+        (the Parameter and its scale buffer stay the objects that optimizers and gradient
+        buffers hold), rounded as the lowering rounds; at O3 with the FP16 rounding of
+        ``value`` as the master's start (a fine-tune's load from a finer checkpoint)."""
+        if not self.lowered:
+            raise ValueError("assign_weight: the weight is not lowered; copy into it instead")
+        if tuple(value.shape) != tuple(self.weight.shape):
+            raise ValueError(
+                f"assign_weight: {tuple(value.shape)} for a weight of {tuple(self.weight.shape)}"
+            )
+        stored, master = self._stored_weight(value.to(self.weight.device, torch.float32))
+        self.weight.copy_(stored.data)
+        self.weight_scale_inv.copy_(stored.scale_inv)
+        if master is not None:
+            set_initial_master(self.weight, master.data, master.scale_inv)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A loaded weight replaces the one the initial master was the finer value of.

@@ -31,6 +31,7 @@ __all__ = [
     "GRANULARITIES",
     "ScalingRecipe",
     "ScalingState",
+    "amax_bounds",
     "compute_scale",
     "fold",
 ]
@@ -103,7 +104,7 @@ def _scale_from(
     format's maximum over ``2**margin``), optionally rounded down to a power of two, where
     ``amax`` is in ``[lowest, highest]``; ``fallback`` elsewhere.
 
-    The bounds (``_amax_bounds``) are those amaxes whose scale is a normal fp32 number in
+    The bounds (``amax_bounds``) are those amaxes whose scale is a normal fp32 number in
     [2**-126, 2**126], so scale and 1/scale are both finite: a zero, inf or NaN amax, or one
     so small or large that its scale would leave that range, has nothing to scale by. NaN as
     ``lowest`` says the amax is not wanted at all (delayed scaling takes ``fallback``). One
@@ -120,9 +121,10 @@ def _scale_from(
     return torch.where(usable, scale, fallback)
 
 
-def _amax_bounds(max_value: float) -> tuple[float, float]:
+def amax_bounds(max_value: float) -> tuple[float, float]:
     """``(lowest, highest)`` amax of ``_scale_from`` for one format maximum (over 2**margin):
-    scales within [2**-126, 2**126], amaxes within the finite fp32 numbers."""
+    scales within [2**-126, 2**126], amaxes within the finite fp32 numbers. Public: a kernel
+    that computes scales itself (fp8train/triton_cast_kernels.py) keeps the same bounds."""
     return max_value * _SCALE_MIN, min(max_value * _SCALE_MAX, _FP32_MAX)
 
 
@@ -143,7 +145,7 @@ def compute_scale(
         fallback = torch.ones_like(amax)
     fallback = torch.as_tensor(fallback, dtype=torch.float32, device=amax.device)
     max_value = torch.full_like(amax, fmt.max / 2.0**margin)  # a fill, never a host copy
-    low, high = _amax_bounds(fmt.max / 2.0**margin)
+    low, high = amax_bounds(fmt.max / 2.0**margin)
     lowest, highest = torch.full_like(amax, low), torch.full_like(amax, high)
     return _scale_from(amax, max_value, lowest, highest, fallback, power_of_two)
 
@@ -227,7 +229,7 @@ class ScalingState(nn.Module):
       fallback     []  fp32   the next cast's scale unless it scales from its own amax
       current_lowest [] fp32  the least amax the next cast scales from (NaN: none, delayed)
       max_value    []  fp32   the format's maximum over 2**margin
-      amax_lowest, amax_highest [] fp32  the amaxes that have a scale (``_amax_bounds``)
+      amax_lowest, amax_highest [] fp32  the amaxes that have a scale (``amax_bounds``)
 
     A cast asks ``cast_scale`` (a few element-wise operations) and records its amax; the
     state moves in ``fold``, for one state or, batched, for every state of a model
@@ -248,7 +250,7 @@ class ScalingState(nn.Module):
         self.register_buffer("recover", torch.zeros((), dtype=torch.bool, device=device))
         self.register_buffer("nonfinite", torch.zeros((), dtype=torch.int64, device=device))
         max_value = fmt.max / 2.0**self.recipe.margin
-        low, high = _amax_bounds(max_value)
+        low, high = amax_bounds(max_value)
         derived = {
             "pending_amax": _NOTHING_PENDING,
             "fallback": 1.0,
@@ -284,7 +286,7 @@ class ScalingState(nn.Module):
             self.recover.fill_(False)
             self.nonfinite.zero_()
             max_value = self.fmt.max / 2.0**self.recipe.margin
-            low, high = _amax_bounds(max_value)
+            low, high = amax_bounds(max_value)
             self.max_value.fill_(max_value)
             self.amax_lowest.fill_(low)
             self.amax_highest.fill_(high)

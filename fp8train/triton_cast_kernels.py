@@ -32,7 +32,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .formats import E4M3, E5M2
-from .scaling import _amax_bounds
+from .scaling import amax_bounds
 
 __all__ = ["TILE", "cast_blocks", "cast_pair"]
 
@@ -216,7 +216,7 @@ def _constants(e5m2: bool, margin: int) -> tuple[float, float, float, float]:
     """``(max_value, lowest, highest, fmt_max)`` of ``compute_scale`` for a format and margin."""
     fmt = E5M2 if e5m2 else E4M3
     max_value = fmt.max / 2.0**margin
-    lowest, highest = _amax_bounds(max_value)
+    lowest, highest = amax_bounds(max_value)
     return _fp32(max_value), _fp32(lowest), _fp32(highest), float(fmt.max)
 
 

@@ -89,6 +89,16 @@ def runs(tiny_data, tmp_path_factory):
                "optimizer.lr_warmup_iters": 0},
         ),
     ]  # fmt: skip
+    # The same fp32 weights into O3 (FP8 weights, FP16 masters with the distributed optimizer).
+    resumed.append(
+        tiny_overrides(
+            tiny_data, root / "finetune_O3", "O3", **COMMON, **{"parallel.tensor": 2},
+            **{"checkpoint.load": str(root / "source_fp32" / "checkpoints"),
+               "checkpoint.finetune": "true", "training.train_iters": 1,
+               "checkpoint.save_interval": 1, "optimizer.lr": 0.0, "optimizer.min_lr": 0.0,
+               "optimizer.lr_warmup_iters": 0},
+        )
+    )  # fmt: skip
     for name, extra in TARGETS.items():
         for lv in LEVELS:
             load = root / f"source_{lv}" / "checkpoints" / "iter_0000002"
@@ -142,6 +152,26 @@ def test_finetune_loads_weights_across_levels_and_layouts(runs):
             assert err <= 2.0**-11, (name, err)
         else:
             assert torch.equal(got[name], value), name
+
+
+def test_finetune_into_o3_starts_the_masters_from_the_finer_weights(runs):
+    """fp32 weights loaded weights-only into O3 at TP=2 x DP=2 (distributed optimizer), lr 0:
+    each FP16 master is the fp32 weight rounded once to FP16 (relative error <= 2**-11), not
+    its FP8 rounding (up to 2**-4: a master on E4M3's grid holds the weight still for the
+    first steps, fp8train/param_state.py), and the FP8 weight is within E4M3's rounding."""
+    want = reassemble(runs / "source_fp32" / "checkpoints" / "iter_0000004")
+    checkpoint = runs / "finetune_O3" / "checkpoints" / "iter_0000001"
+    weights, states = reassemble(checkpoint), reassemble(checkpoint, "optimizer")
+    linear = [n for n, v in want.items() if n.startswith("layers.") and n.endswith(".weight")
+              and v.ndim == 2]  # fmt: skip
+    assert linear
+    for name in linear:
+        value = want[name]
+        master = states[f"{name}:master"]
+        err = ((master - value).abs() / value.abs().clamp(min=1e-30)).max().item()
+        assert err <= 2.0**-11, (name, err)
+        err = (weights[name] - value).abs() / value.abs().clamp(min=1e-30)
+        assert err[value.abs() > value.abs().max() * 2**-6].max().item() <= 2.0**-4, name
 
 
 def test_resharded_checkpoint_keeps_every_tensor(runs):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
+
 from checkpoint.async_writer import CheckpointSaver
 from checkpoint.format import (
     CheckpointError,
@@ -119,11 +121,24 @@ def _load_weights(state: RunState, path) -> None:
     source = SourceCheckpoint(path)
     model = state.model
     layouts = model.tensor_layouts()
-    params = set(model.canonical_parameter_names().values())
+    names = model.canonical_parameter_names()
+    params = set(names.values())
     local = model.canonical_state_dict()
     targets = {name: Target(layouts[name], tuple(local[name].shape), local[name].dtype)
                for name in params}  # fmt: skip
-    model.load_canonical_state_dict(reshard(source, "model", targets), partial=True)
+    # O3's FP8 weights come as FP32 values (a finer checkpoint's, unrounded) and are stored by
+    # their linear, which keeps the FP16 rounding for the master to start from: a master made
+    # from the FP8 weight would hold it still for the first steps (fp8train.param_state).
+    fp8 = {names[id(m.weight)]: m for _, m in model.linear_modules()
+           if m.lowered and m.recipe.weight == "fp8"}  # fmt: skip
+    for name in fp8:
+        layout = {k: v for k, v in layouts[name].items() if k not in ("scale_inv", "scale_block")}
+        targets[name] = Target(layout, tuple(local[name].shape), torch.float32)
+    loaded = reshard(source, "model", targets)
+    values = {name: loaded.pop(name) for name in fp8}
+    model.load_canonical_state_dict(loaded, partial=True)
+    for name, linear in fp8.items():
+        linear.assign_weight(values[name])
     # Masters and O3's FP16 masters start from the loaded weights.
     state.optimizer.reset_masters()
 

@@ -297,10 +297,14 @@ class TrainOptimizer:
     @torch.no_grad()
     def reset_masters(self) -> None:
         """FP32 masters from the current weights (after the weights were replaced, e.g. by a
-        fine-tune's load); lazily made state (O3's FP16 masters) needs nothing."""
+        fine-tune's load); lazily made state (O3's FP16 masters, from the initial masters a
+        load leaves on the weights this rank steps) needs nothing."""
         for p in self.step_params:
             if id(p) in self.masters:
                 self.masters[id(p)].copy_(p.detach().float())
+        for p, own in zip(self.model_params, self.owned):
+            if not own:
+                drop_initial_master(p)
 
     def stepped_names(self) -> list[str]:
         """Names of the parameters this rank's optimizer steps (all of its slice's, or with
