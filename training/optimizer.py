@@ -108,9 +108,7 @@ class TrainOptimizer:
         self.gather = ParamGather(self.model_params, owners, group, meter) if owners else None
 
         self.step_params = [p for p, own in zip(self.model_params, self.owned) if own]
-        for p, own in zip(self.model_params, self.owned):
-            if not own:  # O3: the owner's optimizer makes the master; this rank gets the weight
-                drop_initial_master(p)
+        self._drop_others_initial_masters()
         # FP32 masters of the BF16 parameters this rank steps: every parameter at bf16; at an
         # FP8 level with param_dtype=bf16 all but the low-bit linear weights (LowBitAdamW
         # keeps theirs). The optimizer steps the master in place of its parameter.
@@ -302,6 +300,11 @@ class TrainOptimizer:
         for p in self.step_params:
             if id(p) in self.masters:
                 self.masters[id(p)].copy_(p.detach().float())
+        self._drop_others_initial_masters()
+
+    def _drop_others_initial_masters(self) -> None:
+        # O3: the owner's optimizer makes a weight's master; the other ranks only receive the
+        # weight, so they keep no FP16 copy of its initial value (fp8train.param_state).
         for p, own in zip(self.model_params, self.owned):
             if not own:
                 drop_initial_master(p)
