@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .formats import FP8Format, cast_to_fp8
+from .formats import FP8Format, cast_to_fp8, widen
 from .scaling import compute_scale
 
 __all__ = [
@@ -133,9 +133,9 @@ def scaled_value(
     """The FP32 value of ``data`` stored with one scale (``block`` None: ``scale_inv`` is a
     single value) or one per ``block`` of a 2-D ``data`` (``scale_inv`` its grid)."""
     if block is None:
-        return data.float() * scale_inv
+        return widen(data) * scale_inv
     # Tiles broadcast against their scales: no per-element scale tensor is built.
-    tiles = _tiled(data.float(), block) * scale_inv.float()[:, None, :, None]
+    tiles = _tiled(widen(data), block) * scale_inv.float()[:, None, :, None]
     return _untiled(tiles, tuple(data.shape))
 
 
@@ -225,7 +225,7 @@ def block_gemm(
     bk = _k_blocks(a, b)
     m, k = a.data.shape
     n = b.data.shape[0]
-    a32, b32 = a.data.float(), b.data.float()  # exact; once, not per K block
+    a32, b32 = widen(a.data), widen(b.data)  # exact; once, not per K block
     acc = None
     for j in range(math.ceil(k / bk)):
         cols = slice(j * bk, (j + 1) * bk)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_health", "cast_to_fp8"]
+__all__ = ["FP8Format", "E4M3", "E5M2", "FORMATS", "cast_health", "cast_to_fp8", "widen"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,32 @@ def cast_to_fp8(
     else:
         y = (x.float() * scale).clamp_(-fmt.max, fmt.max)
     return y.to(fmt.dtype)
+
+
+def widen(data: torch.Tensor) -> torch.Tensor:
+    """The FP32 values of FP8 ``data``, exactly (``data.float()``'s bits, NaN included).
+
+    Eagerly on the CPU an E4M3 tensor goes through a 256-entry table (one gather): ATen's
+    element-wise E4M3 -> FP32 conversion there is scalar code, about 4x slower than the gather
+    (7.8 against 1.8 ms per million elements on one Xeon core), and the emulated GEMMs widen
+    both operands of every call. E5M2 (the upper byte of an FP16) converts fast as it is, and
+    so does any device with FP8 hardware; compiled code keeps ``.float()`` for the compiler to
+    fuse."""
+    if (
+        data.dtype != torch.float8_e4m3fn
+        or data.device.type != "cpu"
+        or torch.compiler.is_compiling()
+    ):
+        return data.float()
+    if not data.is_contiguous():
+        # ``.float()`` keeps a transposed operand's layout, which decides the GEMM kernel
+        # that reads it (and so the order of its sums): keep it too.
+        if data.dim() == 2 and data.t().is_contiguous():
+            return widen(data.t()).t()
+        return data.float()
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    index = data.view(torch.uint8).reshape(-1).int()
+    return table.index_select(0, index).view(data.shape)
 
 
 def cast_health(

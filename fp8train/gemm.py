@@ -33,7 +33,7 @@ from torch.utils.flop_counter import register_flop_formula
 from . import block_scaled_mm
 from . import device as _device
 from .blockwise import BlockFloat8Tensor, block_gemm
-from .formats import E4M3, E5M2
+from .formats import E4M3, E5M2, widen
 from .tensor import Float8Tensor
 
 __all__ = [
@@ -202,7 +202,7 @@ def _gemm_scaled_mm_rowwise(
 
 
 def _gemm_emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    acc = a.data.float() @ b.data.float().t()
+    acc = widen(a.data) @ widen(b.data).t()
     return acc.mul_(a.scale_inv * b.scale_inv).to(out_dtype)
 
 

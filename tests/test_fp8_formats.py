@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8train.formats import E4M3, E5M2, FORMATS, cast_to_fp8
+from fp8train.formats import E4M3, E5M2, FORMATS, cast_to_fp8, widen
 from fp8train.tensor import Float8Tensor
 
 ML = {"E4M3": ml_dtypes.float8_e4m3fn, "E5M2": ml_dtypes.float8_e5m2}
@@ -123,3 +123,24 @@ def test_float8_tensor_validates():
         Float8Tensor(torch.zeros(2, dtype=torch.float8_e5m2), torch.ones(()), E4M3)
     with pytest.raises(TypeError):
         Float8Tensor(torch.zeros(2).to(E4M3.dtype), torch.ones((), dtype=torch.float64), E4M3)
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+def test_widen_is_every_byte_exactly_with_its_layout(fmt):
+    """``widen`` (the emulated GEMMs' FP8 -> FP32; on the CPU E4M3 through a table) gives
+    ml_dtypes' value of every byte (NaN where it has NaN) and ``.float()``'s bits, and keeps
+    the layout ``.float()`` keeps: contiguous, transposed (which decides the GEMM kernel that
+    reads it), and a strided slice."""
+    nbits = np.arange(256, dtype=np.uint8)
+    ref = nbits.view(ML[fmt]).astype(np.float32)
+    data = torch.from_numpy(nbits.copy()).view(FORMATS[fmt].dtype)
+    got = widen(data).numpy()
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    square = data.reshape(16, 16)
+    rect = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (48, 80), dtype=np.uint8))
+    for t in (square, square.t(), rect.view(FORMATS[fmt].dtype).t(), square[:, ::3]):
+        w, f = widen(t), t.float()
+        assert w.stride() == f.stride() and w.shape == f.shape
+        assert torch.equal(w.view(torch.int32), f.view(torch.int32))
