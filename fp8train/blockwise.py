@@ -133,9 +133,9 @@ def scaled_value(
     """The FP32 value of ``data`` stored with one scale (``block`` None: ``scale_inv`` is a
     single value) or one per ``block`` of a 2-D ``data`` (``scale_inv`` its grid)."""
     if block is None:
-        return widen(data) * scale_inv
+        return data.float() * scale_inv
     # Tiles broadcast against their scales: no per-element scale tensor is built.
-    tiles = _tiled(widen(data), block) * scale_inv.float()[:, None, :, None]
+    tiles = _tiled(data.float(), block) * scale_inv.float()[:, None, :, None]
     return _untiled(tiles, tuple(data.shape))
 
 

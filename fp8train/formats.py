@@ -78,7 +78,9 @@ def widen(data: torch.Tensor) -> torch.Tensor:
     (7.8 against 1.8 ms per million elements on one Xeon core), and the emulated GEMMs widen
     both operands of every call. E5M2 (the upper byte of an FP16) converts fast as it is, and
     so does any device with FP8 hardware; compiled code keeps ``.float()`` for the compiler to
-    fuse."""
+    fuse. Only the emulated GEMMs, themselves the CPU's stand-ins, use it: elsewhere the
+    table's index and gather would be CPU-only work in the step the planner accounts (it
+    counts the bytes each dispatched operation moves, for a GPU's step)."""
     if (
         data.dtype != torch.float8_e4m3fn
         or data.device.type != "cpu"

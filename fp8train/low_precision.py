@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .blockwise import block_grid, cast_blocks, scaled_value
-from .formats import E4M3, FP8Format, cast_to_fp8, widen
+from .formats import E4M3, FP8Format, cast_to_fp8
 from .scaling import compute_scale
 
 __all__ = ["FP16_MAX", "ScaledTensor", "Fp8GradSlot", "pow2_scale", "max_of"]
@@ -74,7 +74,7 @@ class ScaledTensor:
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.ones((), device=device))
 
     def dequantize(self) -> torch.Tensor:
-        return widen(self.data) * self.scale_inv
+        return self.data.float() * self.scale_inv
 
     def assign_(self, x: torch.Tensor) -> None:
         """Store ``x`` in place with a fresh power-of-two scale from its own amax."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .blockwise import scaled_value
-from .formats import E4M3, widen
+from .formats import E4M3
 from .low_precision import FP16_MAX, pow2_scale
 from .param_state import fp8_grad_slot, scale_block_of, scale_inv_of, take_initial_master
 from .scaling import compute_scale
@@ -127,7 +127,7 @@ def init_state(
 
 def dequantize(datas: list[torch.Tensor], scale_invs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``data.float() * scale_inv`` for each pair: fresh FP32 tensors."""
-    out = [widen(d) for d in datas]
+    out = [d.float() for d in datas]
     if out:
         torch._foreach_mul_(out, scale_invs)
     return out
