@@ -20,7 +20,9 @@ reference: ``blockwise.quantize_operand`` of the tensor and, ``transposed``, of 
 each reading the tensor (compiled, inductor generates their kernels as it sees fit).
 What backward needs is cast in forward and kept in FP8: xᵀ (1 byte per activation, as the
 per-tensor path keeps x) and Wᵀ (at ``block`` a view of W's bytes for the emulation, their
-transposed copy where cuBLASLt reads it, whose second operand is column-major).
+transposed copy where cuBLASLt reads it, whose second operand is column-major). The weight's
+two operands (``weight_operands``) are made once per step where a step has several
+micro-batches: the first casts them, the others read them (``Linear.keep_weight_cast``).
 
 The GEMMs (``gemm.fp8_gemm``): row-wise on ``torch._scaled_mm``, block-wise on cuBLASLt's
 block-scaled kernel where it was bound (``block_scaled_mm``), else the emulation. The forward
@@ -61,7 +63,7 @@ from .formats import E4M3, FORMATS, cast_health
 from .gemm import fp8_gemm
 from .scaling import ScalingRecipe
 
-__all__ = ["BlockFp8LinearFunction", "block_health"]
+__all__ = ["BlockFp8LinearFunction", "block_health", "uses_layouts", "weight_operands"]
 
 
 def _cast(x: torch.Tensor, scaling: ScalingRecipe, fmt, weight: bool) -> BlockFloat8Tensor:
@@ -115,6 +117,35 @@ def _cast_weight(
     return w8, _transposed(w8, layouts)
 
 
+def uses_layouts(device: torch.device, backend: str) -> bool:
+    """Whether the GEMMs on ``device`` read cuBLASLt's layouts (Wᵀ's bytes a contiguous copy):
+    the block-scaled kernel bound there for the ``scaled_mm`` backend. Decided by what was
+    bound at build time, never by values."""
+    return backend == "scaled_mm" and block_scaled_mm.bound(device) is not None
+
+
+def weight_operands(
+    weight: torch.Tensor,
+    w_scale_inv: torch.Tensor | None,
+    scaling: ScalingRecipe,
+    layouts: bool,
+    kernels: bool,
+) -> tuple[torch.Tensor | None, BlockFloat8Tensor, BlockFloat8Tensor]:
+    """``(w, w8, wt8)``: the weight in high precision (None for a stored FP8 weight), W for the
+    forward GEMM along K and Wᵀ for the input gradient's along N. At ``block`` the 128x128
+    weight blocks transpose as they are; rows do not, so at ``row`` Wᵀ is a second cast. Every
+    scale is the weight's own current one: casting an unchanged weight again gives the same
+    bytes, so a step's micro-batches may share one cast (``Linear.keep_weight_cast``)."""
+    if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
+        block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
+        w8 = BlockFloat8Tensor(weight.detach(), w_scale_inv, E4M3, block)
+        return None, w8, _transposed(w8, layouts)
+    w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
+    if scaling.granularity == "block":
+        return w, *_cast_weight(w, scaling, layouts, kernels)
+    return w, *_cast_unit(w, scaling, E4M3, kernels)
+
+
 def block_health(health: dict, role: str, x: torch.Tensor, q: BlockFloat8Tensor) -> None:
     """The health of one row- or block-scaled cast: ``formats.cast_health`` (underflow,
     saturation) with each value against its own block's scale, and in place of a per-tensor
@@ -154,24 +185,15 @@ class BlockFp8LinearFunction(torch.autograd.Function):
         input_comm,
         backend="emulated",
         kernels=False,
+        weight_cast=None,
     ):
-        # Wᵀ's bytes contiguous where cuBLASLt's block-scaled kernel reads them; the emulation
-        # reads a view. Decided by what was bound at build time, never by values.
-        kernel = block_scaled_mm.bound(x.device) if backend == "scaled_mm" else None
-        layouts = kernel is not None
-        # Wᵀ for dx, along N: at ``block`` the 128x128 weight blocks transpose as they are;
-        # rows do not, so at ``row`` Wᵀ is a second cast of the weight.
-        if weight.dtype == E4M3.dtype:  # O3: the stored FP8 weight in its 128x128 blocks
-            w = None
-            block = fit_block(WEIGHT_BLOCK, tuple(weight.shape))
-            w8 = BlockFloat8Tensor(weight.detach(), w_scale_inv, E4M3, block)
-            wt8 = _transposed(w8, layouts)
-        else:
-            w = weight.detach() if w_scale_inv is None else weight.detach().float() * w_scale_inv
-            if scaling.granularity == "block":
-                w8, wt8 = _cast_weight(w, scaling, layouts, kernels)
-            else:
-                w8, wt8 = _cast_unit(w, scaling, E4M3, kernels)
+        # ``weight_cast``: ``weight_operands``' answer made by the caller (a step's kept cast,
+        # ``w`` None where no health is measured), else cast here. Wᵀ's bytes contiguous where
+        # cuBLASLt's block-scaled kernel reads them; the emulation reads a view.
+        if weight_cast is None:
+            layouts = uses_layouts(x.device, backend)
+            weight_cast = weight_operands(weight, w_scale_inv, scaling, layouts, kernels)
+        w, w8, wt8 = weight_cast
         # xᵀ for dW, along M: with x in the same read unless x's rows are gathered below.
         x8, xt8 = _cast_unit(x.detach(), scaling, E4M3, kernels, (True, input_comm is None))
         if health is not None:  # this rank's rows, before any gather
@@ -222,4 +244,4 @@ class BlockFp8LinearFunction(torch.autograd.Function):
             db = g.float().sum(0).to(b_dtype)
         # O1-O3: the FP32 weight gradient goes to the FP8 slot's sink, the weight gets none.
         dw, dsink = (None, dw) if ctx.sink else (dw, None)
-        return dx, dw, db, dsink, None, None, None, None, None, None
+        return dx, dw, db, dsink, None, None, None, None, None, None, None

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .block_linear import BlockFp8LinearFunction
+from .block_linear import BlockFp8LinearFunction, uses_layouts, weight_operands
 from .blockwise import WEIGHT_BLOCK, quantize_blocks
 from .formats import E4M3, E5M2, cast_health
 from .gemm import fp8_gemm, prepare_scaled_gemm
@@ -344,9 +344,11 @@ class Linear(nn.Module):
         # The weight's FP8 cast, kept for the micro-batches of one step (weight_fp8):
         # reuse_weight_cast reads it; keep_weight_cast says later micro-batches will, so the
         # cast also writes the transpose that the input-gradient GEMM reads, kept with it.
+        # Per tensor (data, scale_inv, data_t); at row/block the GEMMs' two weight operands
+        # (w8, wt8), kept only with keep_weight_cast (_block_weight_cast).
         self.reuse_weight_cast = False
         self.keep_weight_cast = False
-        self._weight_cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._weight_cast: tuple | None = None
         self.health: HealthRecord | None = None
         if self.fp8:
             self.health = HealthRecord(health_keys(ROLES, self.scaling.granularity), device)
@@ -586,19 +588,46 @@ class Linear(nn.Module):
                 "one scale per tensor (lower_weight_precision ran at granularity 'tensor')"
             )
         lead = x.shape[:-1] if input_comm is None else input_comm.gathered_lead(x.shape[:-1])
+        health = self.health if self.track_health else None
         y = BlockFp8LinearFunction.apply(
             x.reshape(-1, self.in_features),
             self.weight,
             self.bias,
             self._wgrad_sink(),
             self.scaling,
-            self.health if self.track_health else None,
+            health,
             getattr(self, "weight_scale_inv", None),
             input_comm,
             self.gemm_backend,
             self.cast_kernels,
+            self._block_weight_cast(x.device, health),
         )
         return y.reshape(*lead, self.out_features)
+
+    def _block_weight_cast(self, device: torch.device, health) -> tuple | None:
+        """Row/block: the weight's GEMM operands (``block_linear.weight_operands``) shared by
+        a step's micro-batches, as ``weight_fp8`` shares the per-tensor cast. With
+        ``keep_weight_cast`` (later micro-batches will read it) the first micro-batch casts
+        here and keeps ``(w8, wt8)``; with ``reuse_weight_cast`` the others read them: one
+        cast and one Wᵀ copy per step instead of one per micro-batch (O3 at block: the copy
+        alone). Every scale is the weight's current one, so a fresh cast would be the same
+        bytes: a micro-batch that measures the cast's health casts again, and a compiled
+        layer (no Python state in a graph) or a step of one micro-batch keep nothing (None:
+        the GEMM function casts)."""
+        if not (self.training and self.keep_weight_cast) or torch.compiler.is_compiling():
+            return None
+        if self.reuse_weight_cast and self._weight_cast is not None:
+            return None if health is not None else (None, *self._weight_cast)
+        with torch.no_grad():
+            w, w8, wt8 = weight_operands(
+                self.weight,
+                getattr(self, "weight_scale_inv", None),
+                self.scaling,
+                uses_layouts(device, self.gemm_backend),
+                self.cast_kernels,
+            )
+        self._weight_cast = (w8, wt8)
+        return w, w8, wt8
 
     @torch.no_grad()
     def fp8_stats(self) -> dict[str, float]:

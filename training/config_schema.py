@@ -200,7 +200,9 @@ class PrecisionConfig(_Section):
         "end: one transpose per step instead of one copy per micro-batch's backward, for 1 "
         "byte per GEMM weight element held all step (5.44 GB on a GPT-175B stage at TP 8). "
         "false = copy it per backward (the same bytes: no numerics change). The weight's FP8 "
-        "cast is kept either way. Eager only: a compiled layer never keeps it.",
+        "cast is kept either way per tensor; at row/block granularity the cast and its "
+        "transpose are kept together or, with false, made per micro-batch (the same bytes). "
+        "Eager only: a compiled layer never keeps them.",
     )
     initial_loss_scale: float = _f(
         65536.0, "Starting dynamic loss scale (fp16, O1, O2; every other level runs at 1.0).", gt=0
