@@ -42,7 +42,7 @@ train: venv
 # --durations=25: the slowest tests close the log, so growth is visible in CI. One process left
 # half of two cores idle (ranks start, import, wait on each other): two workers overlap that.
 test: venv
-	@echo "fp8train: running the test suite ($(TEST_WORKERS) workers; about 8 minutes on 2 CPU cores; a dot per test)"
+	@echo "fp8train: running the test suite ($(TEST_WORKERS) workers; about 8-9 minutes on 2 CPU cores; a dot per test)"
 	$(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: venv
