@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
 from test_hot_path_ops import _CountOps
+from test_weight_transposes import steps_with_and_without_kept_casts
 
-from data.sampler import micro_batches
 from fp8train.block_linear import weight_operands
 from fp8train.linear import Linear
 from fp8train.param_state import grad_value
 from fp8train.precision import get_recipe
 from fp8train.scaling import ScalingRecipe
-from training.config import load_config
-from training.setup import build_run
-from training.step import train_step
 
 BLOCK = ScalingRecipe(mode="current", granularity="block", grad_format="e4m3")
 ROW = ScalingRecipe(mode="current", granularity="row")
@@ -104,34 +100,5 @@ def test_training_steps_equal_with_and_without_the_kept_cast(tiny_data, tmp_path
     micro-batch) give bitwise the same losses and weights; on, the second micro-batch
     reads the first's operands."""
     base, _ = level.split("@")
-    results = {}
-    for keep in (True, False):
-        overrides = tiny_overrides(tiny_data, tmp_path / str(keep), base)
-        overrides += ["precision.fp8_granularity=block", "precision.fp8_recipe=current",
-                      f"precision.keep_weight_transposes={str(keep).lower()}"]  # fmt: skip
-        cfg = load_config(str(REPO / "configs/gpt_tiny.yaml"), overrides)
-        state = build_run(cfg)
-        assert state.plan.micro_batches == 2
-        linears = [m for m in state.model.modules() if isinstance(m, Linear) and m.fp8]
-        seen = []
-
-        def record(module, args, out, seen=seen):
-            seen.append(module._weight_cast)
-
-        hooks = [m.register_forward_hook(record) for m in linears]
-        data = micro_batches(state.train_ds, 0, cfg.training.micro_batch_size, 0, 1)
-        losses = [train_step(state, data, 2).loss for _ in range(3)]
-        for h in hooks:
-            h.remove()
-        assert all(m._weight_cast is None for m in linears)
-        results[keep] = losses, seen, state.model.state_dict()
-    (losses_on, seen_on, weights_on), (losses_off, seen_off, weights_off) = results.values()
-    assert losses_on == losses_off
-    for name, value in weights_on.items():
-        assert torch.equal(value, weights_off[name]), name
-    assert all(c is None for c in seen_off)
-    n = len(seen_on) // 6
-    for step in range(3):
-        first = seen_on[2 * step * n : (2 * step + 1) * n]
-        second = seen_on[(2 * step + 1) * n : (2 * step + 2) * n]
-        assert all(a is not None and a is b for a, b in zip(first, second)), step
+    block = ["precision.fp8_granularity=block", "precision.fp8_recipe=current"]
+    steps_with_and_without_kept_casts(tiny_data, tmp_path, base, block, lambda cast: cast)
