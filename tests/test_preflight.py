@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -295,8 +296,81 @@ def test_a_damaged_checkpoint_error_is_a_checkpoint_error(tiny_data, checkpoints
         preflight(load_config(CONFIG, overrides), 1)
 
 
+@pytest.fixture
+def sigterm_restored():
+    """The entry point ignores SIGTERM once it has failed under torchrun; this process's own
+    handler comes back after the test."""
+    saved = signal.getsignal(signal.SIGTERM)
+    yield saved
+    signal.signal(signal.SIGTERM, saved)
+
+
+def test_the_first_worker_to_fail_on_a_node_prints_the_line(
+    tmp_path, monkeypatch, capsys, sigterm_restored
+):
+    """Under torchrun the agent SIGTERMs the other workers once one has exited, so local rank
+    0 may be ended before it prints: the first worker to fail prints instead (a marker in the
+    directory torchrun makes for this start of the node's workers, fresh at a restart). Each
+    worker still writes its own error file. Without that layout, local rank 0 prints.
+    The workers run ``main`` one after another here: the order they fail in is chosen, not
+    raced."""
+    from training.entry_point import main
+
+    args = ["--config", CONFIG, f"logging.dir={tmp_path / 'run'}"]
+    needle = TORCHRUN_CASES["indivisible_batch"][1]  # the shipped batch on 3 ranks
+    for key in ("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    run_log_dir = tmp_path / "torchelastic_x" / "none_abc"  # DefaultLogsSpecs' layout
+
+    def worker(local_rank: int | None, attempt: int | None = None) -> str:
+        """This worker's stderr; ``attempt`` None: not under torchrun."""
+        for key in ("RANK", "LOCAL_RANK"):
+            if local_rank is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, str(local_rank))
+        error_file = None
+        if attempt is not None:
+            error_file = run_log_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
+            error_file.parent.mkdir(parents=True)
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        assert main("gpt", args) == 2
+        err = capsys.readouterr().err
+        if error_file is not None:
+            message = json.loads(error_file.read_text())["message"]["message"]
+            assert message.startswith("error: ") and needle in message, message
+        return err
+
+    line = worker(1, attempt=0)  # local rank 1 fails first: it prints, not local rank 0
+    assert line.startswith("error: ") and needle in line and line.count("\n") == 1, line
+    assert worker(0, attempt=0) == "" and worker(2, attempt=0) == ""
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the agent's cannot cut it
+    assert worker(2, attempt=1) == line  # a restart: its first worker to fail prints again
+    assert worker(0, attempt=1) == "" and worker(1, attempt=1) == ""
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    signal.signal(signal.SIGTERM, sigterm_restored)
+    assert worker(1) == ""  # not under torchrun: local rank 0 prints
+    assert worker(0) == line
+    assert worker(None) == line  # a single process
+    assert signal.getsignal(signal.SIGTERM) == sigterm_restored  # left alone outside torchrun
+
+    # Another layout of the error file (a custom --logs_specs), or no marker can be made
+    # (here: no attempt directory): the fixed rank's rule.
+    from training.entry_point import _first_to_fail
+
+    custom = tmp_path / "logs" / "1" / "error.json"
+    missing = tmp_path / "gone" / "attempt_0" / "1" / "error.json"
+    for error_file in (custom, missing):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        assert _first_to_fail(True) and not _first_to_fail(False)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------
-# Through plain torchrun: every worker stops before the process group, rank 0 says why once,
+# Through plain torchrun: every worker stops before the process group, the first worker to
+# fail on the node says why once (the agent may end the others before they print),
 # torchrun's failure report names that line as the root cause.
 
 # One case per kind of check (the data, the checkpoint to resume, the layout for the world
@@ -368,8 +442,9 @@ def test_plain_torchrun_stops_every_worker_with_one_line(torchrun_results, case)
     ours = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert proc.returncode != 0 and len(ours) == 1 and needle in ours[0], proc.stderr[-3000:]
     # Every worker exited 2 (ours) or, when another stopped first, was ended by the agent's
-    # SIGTERM (a race the agent decides: it terminates the others once one has exited); the
-    # root cause is our line, not "To enable traceback see ...".
+    # SIGTERM (it terminates the others once one has exited) before it had failed too: one
+    # that has ignores it, so the first to fail prints its line; the root cause is our line,
+    # not "To enable traceback see ...".
     codes = re.findall(r"exitcode  : (-?\d+) ", proc.stderr)
     assert len(codes) == nproc and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
     root_cause = proc.stderr.split("Root Cause", 1)[1]
