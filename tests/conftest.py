@@ -5,8 +5,10 @@ every test module that starts ranks runs on the CPU, in its own process too
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -19,10 +21,11 @@ sys.path.insert(0, str(REPO))
 # Two cores: keep each test process to one intra-op thread so parallel ranks do not fight.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Per-machine measurements (fp8train/machine_cache.py) of test runs stay out of the user's
-# cache: one private cache per test session, inherited by every rank and subprocess.
-os.environ.setdefault(
-    "FP8TRAIN_CACHE_DIR", os.path.join(tempfile.mkdtemp(prefix="fp8train_cache_"))
-)
+# cache: one private cache per test session, inherited by every rank and subprocess (and by
+# pytest-xdist's workers), removed when the process that made it exits.
+if "FP8TRAIN_CACHE_DIR" not in os.environ:
+    os.environ["FP8TRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp8train_cache_")
+    atexit.register(shutil.rmtree, os.environ["FP8TRAIN_CACHE_DIR"], ignore_errors=True)
 
 
 # A call that starts ranks: a helper of tests/multiproc.py (imported at the top or inside a
