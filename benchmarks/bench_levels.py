@@ -50,7 +50,15 @@ def _finished(metrics: Path, iters: int) -> bool:
 
 
 def run_level(
-    level, iters, nproc, config, out: Path, extra: list[str], reuse: bool = False, model="gpt"
+    level,
+    iters,
+    nproc,
+    config,
+    out: Path,
+    extra: list[str],
+    reuse: bool = False,
+    model="gpt",
+    threads: int = 1,
 ):
     run_dir = out / level
     spec, scaling = granularity_overrides(level)
@@ -74,7 +82,7 @@ def run_level(
         *scaling,
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     metrics = run_dir / "metrics.jsonl"
     if not (reuse and _finished(metrics, iters)):
         if metrics.exists():
@@ -243,6 +251,13 @@ def main() -> None:
         nargs="+",
         help="run every level at each training.seed and report means and paired differences",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per rank (OMP_NUM_THREADS); another count blocks the CPU's "
+        "reductions differently, the same arithmetic otherwise: bf16 against itself",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = parser.parse_args()
     second = _metrics(args.model)[1]
@@ -250,8 +265,16 @@ def main() -> None:
     def rows_of(out: Path, extra: list[str]) -> list[dict]:
         return [
             run_level(
-                lv, args.iters, args.nproc, args.config, out, extra, args.reuse, args.model
-            )  # fmt: skip
+                lv,
+                args.iters,
+                args.nproc,
+                args.config,
+                out,
+                extra,
+                args.reuse,
+                args.model,
+                args.threads,
+            )
             for lv in args.levels
         ]
 
