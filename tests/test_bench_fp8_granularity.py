@@ -85,3 +85,16 @@ def test_bench_levels_table_times_each_granularity_against_its_twin():
     assert cells["O2"][-3:] == ["2.00x", "", "16.000"]
     # Without row/block levels the table keeps its columns.
     assert "twin" not in table(rows[:2], "bf16")
+
+
+def test_bench_levels_names_the_kernel_switch_in_the_measured_command():
+    # A bf16-against-itself control differs from its run only by ATEN_CPU_CAPABILITY: the
+    # table's command line must say so, and say nothing when it was not set.
+    from benchmarks.bench_levels import measured_command
+
+    argv = ["--levels", "bf16", "--seeds", "1", "2"]
+    plain = "python -m benchmarks.bench_levels --levels bf16 --seeds 1 2"
+    assert measured_command(argv, {"OMP_NUM_THREADS": "1"}) == plain
+    assert measured_command(argv, {"ATEN_CPU_CAPABILITY": "default"}) == (
+        "ATEN_CPU_CAPABILITY=default " + plain
+    )
