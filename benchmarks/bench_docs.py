@@ -12,7 +12,7 @@ import datetime
 import os
 from pathlib import Path
 
-__all__ = ["free_port", "markers", "measured_with", "report", "write_section"]
+__all__ = ["command_line", "free_port", "markers", "measured_with", "report", "write_section"]
 
 
 def free_port() -> int:
@@ -24,6 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def command_line(launch: str, argv: list[str], environ=os.environ) -> str:
+    """The command a table says it came from: ``launch`` and its arguments, with the switch of
+    the CPU's kernels in front when it was set (it changes the rounding, and a
+    bf16-against-itself control differs from the run it checks by that alone)."""
+    switch = environ.get("ATEN_CPU_CAPABILITY")
+    return " ".join([*([f"ATEN_CPU_CAPABILITY={switch}"] if switch else []), launch, *argv])
+
+
 def measured_with(
     script: str, argv: list[str], elapsed: float, load_before: float, load_after: float
 ) -> str:
@@ -31,7 +39,7 @@ def measured_with(
     it ran and the machine's load around it (above 1: other jobs shared the cores)."""
     import torch
 
-    command = " ".join([f".venv/bin/python {script}", *argv])
+    command = command_line(f".venv/bin/python {script}", argv)
     shared = ": other jobs were using the cores" if max(load_before, load_after) > 1 else ""
     return (
         f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "

@@ -293,7 +293,7 @@ def main() -> None:
         title = f"{args.config}, {args.iters} iterations, {args.nproc} ranks"
         plot(rows, REPO / args.plot, title + (f", seed {args.seeds[0]}" if args.seeds else ""))
     if args.write:
-        command = measured_command(sys.argv[1:], os.environ)
+        command = bench_docs.command_line("python -m benchmarks.bench_levels", sys.argv[1:])
         body = (
             f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores "
             f"with `{command}` ({args.nproc} gloo ranks, {args.iters} iterations, "
@@ -303,15 +303,6 @@ def main() -> None:
             rel = os.path.relpath(REPO / args.plot, (REPO / args.write).parent)
             body += f"\n\n![training loss per level]({rel})"
         write_section(REPO / args.write, body, args.section)
-
-
-def measured_command(argv: list[str], environ) -> str:
-    """The command line a table says it came from, with the environment switch that changes the
-    CPU's kernels (and so the runs' rounding) in front when it was set: a bf16-against-itself
-    control differs from the run it checks by that alone."""
-    switch = environ.get("ATEN_CPU_CAPABILITY")
-    prefix = [f"ATEN_CPU_CAPABILITY={switch}"] if switch else []
-    return " ".join([*prefix, "python -m benchmarks.bench_levels", *argv])
 
 
 if __name__ == "__main__":

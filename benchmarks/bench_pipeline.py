@@ -270,7 +270,9 @@ def main() -> None:
     print()
     print(summary(rows))
     if args.write:
-        command = " ".join([".venv/bin/python -m benchmarks.bench_pipeline", *sys.argv[1:]])
+        command = bench_docs.command_line(
+            ".venv/bin/python -m benchmarks.bench_pipeline", sys.argv[1:]
+        )
         body = (
             f"Measured {datetime.date.today().isoformat()} on {os.cpu_count()} CPU cores, "
             f"torch {torch.__version__}, 1-minute load average {load:.1f} before the run, with "

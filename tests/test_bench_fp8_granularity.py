@@ -89,12 +89,13 @@ def test_bench_levels_table_times_each_granularity_against_its_twin():
 
 def test_bench_levels_names_the_kernel_switch_in_the_measured_command():
     # A bf16-against-itself control differs from its run only by ATEN_CPU_CAPABILITY: the
-    # table's command line must say so, and say nothing when it was not set.
-    from benchmarks.bench_levels import measured_command
+    # table's command line (every CPU benchmark's, bench_levels' among them) must say so, and
+    # say nothing when it was not set.
+    from benchmarks.bench_docs import command_line
 
-    argv = ["--levels", "bf16", "--seeds", "1", "2"]
+    launch, argv = "python -m benchmarks.bench_levels", ["--levels", "bf16", "--seeds", "1", "2"]
     plain = "python -m benchmarks.bench_levels --levels bf16 --seeds 1 2"
-    assert measured_command(argv, {"OMP_NUM_THREADS": "1"}) == plain
-    assert measured_command(argv, {"ATEN_CPU_CAPABILITY": "default"}) == (
+    assert command_line(launch, argv, {"OMP_NUM_THREADS": "1"}) == plain
+    assert command_line(launch, argv, {"ATEN_CPU_CAPABILITY": "default"}) == (
         "ATEN_CPU_CAPABILITY=default " + plain
     )
